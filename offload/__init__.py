@@ -1,0 +1,33 @@
+"""offload: move what a training step keeps alive on the GPU into pinned host memory.
+
+Importing this package touches no CUDA state: no streams, events or pinned memory are
+created until the first forward that offloads something.
+"""
+
+from offload import integrations, main_grad, nn
+from offload.activations import ActivationOffloader, get_cpu_offload_context, no_offload
+from offload.config import OffloadConfig
+from offload.integrations.hf import find_layers
+from offload.profiling import LayerStats, OffloadStats
+from offload.weights import WeightOffloader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # activation offloading
+    "ActivationOffloader",
+    "OffloadConfig",
+    "no_offload",
+    "get_cpu_offload_context",
+    # weight offloading
+    "WeightOffloader",
+    # layers with fused weight-gradient accumulation
+    "nn",
+    "main_grad",
+    # discovery and integrations
+    "find_layers",
+    "integrations",
+    # statistics
+    "OffloadStats",
+    "LayerStats",
+]

@@ -1,0 +1,130 @@
+"""The one module that knows about streams and events.
+
+Two backends implement the same small interface:
+
+* :class:`CudaBackend` issues device-to-host copies on one side stream and host-to-device
+  copies on another, and orders them against the compute stream with events only
+  (``wait_stream`` / ``wait_event``: no host synchronisation).
+* :class:`SyncBackend` is the path for machines without an accelerator (and for CPU
+  tensors anywhere): every copy happens at once on the calling thread and every event
+  is ``None``.
+
+The scheduler (``_scheduler.py``) decides *when* to copy, release and reload; this
+module only says *how*. See ``# Note [release order]`` in ``_scheduler.py`` for why each
+wait is where it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Backend", "CudaBackend", "SyncBackend", "backend_for"]
+
+
+class Backend:
+    """Interface shared by the synchronous and the CUDA backend."""
+
+    #: True when copies run beside the compute stream and need events.
+    is_async: bool = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current_stream(self) -> Any:
+        return None
+
+    def d2h(self, src: torch.Tensor, dst: torch.Tensor, fence: Any) -> None:
+        """Copy device bytes ``src`` into host bytes ``dst`` after the producer's work."""
+        dst.copy_(src)
+
+    def record_d2h(self) -> Any:
+        """An event marking the end of every D2H copy issued so far."""
+        return None
+
+    def alloc(self, nbytes: int, stream: Any) -> torch.Tensor:
+        """A device byte buffer allocated in ``stream``'s pool."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[Any], stream: Any) -> Any:
+        """Copy each host ``src`` into its device ``dst``; returns the reload event."""
+        for src, dst in pairs:
+            dst.copy_(src)
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` on the device (no host sync)."""
+
+    def wait_current(self, event: Any) -> None:
+        """Make the current stream wait for ``event``."""
+
+
+class SyncBackend(Backend):
+    """Every copy completes before the call returns; events are ``None``."""
+
+
+class CudaBackend(Backend):
+    """Copies on side streams, ordered with events (DESIGN.md 3, invariants 4.1)."""
+
+    is_async = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        with torch.cuda.device(device):
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def d2h(self, src: torch.Tensor, dst: torch.Tensor, fence: Any) -> None:
+        # 4.1(a): the copy starts only after everything queued so far on the producing
+        # (current) stream, which includes the kernel that wrote ``src``.
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if fence is not None:
+            # 4.1(d): the host bytes may still be read by an earlier step's H2D.
+            self.d2h_stream.wait_event(fence)
+        with torch.cuda.stream(self.d2h_stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record_d2h(self) -> torch.cuda.Event:
+        return self.d2h_stream.record_event()
+
+    def alloc(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        # The caching allocator keeps one pool per stream: allocate in the pool of the
+        # stream that will read and later free the buffer (the compute stream).
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def h2d(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        waits: list[Any],
+        stream: torch.cuda.Stream,
+    ) -> torch.cuda.Event:
+        # The buffers were just allocated on ``stream``; their blocks may have been freed
+        # there by kernels still queued: write them only after those kernels (4.1(e)).
+        self.h2d_stream.wait_stream(stream)
+        for event in waits:  # the D2H copies that filled the host bytes
+            if event is not None:
+                self.h2d_stream.wait_event(event)
+        with torch.cuda.stream(self.h2d_stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self.h2d_stream.record_event()
+
+    def wait(self, stream: torch.cuda.Stream, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def wait_current(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend that moves tensors living on ``device``."""
+    if device.type == "cuda":
+        return CudaBackend(device)
+    return SyncBackend(device)

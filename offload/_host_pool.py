@@ -1,0 +1,191 @@
+"""Host memory for offloaded bytes: large slabs, sub-allocated best-fit, reused.
+
+One :class:`HostPool` per offloader. It asks the system for memory only in slabs whose
+size is a power of two (PyTorch's caching host allocator rounds every pinned block up
+to a power of two, so any other size would pin memory we cannot use and would make
+``reserved_bytes`` lie). Inside a slab, blocks are carved best-fit from a free list
+aligned to :data:`ALIGN` bytes and merged with their neighbours when freed, so a step
+whose shapes differ from the last one reuses the same slabs instead of growing the
+pool: after every step all blocks return, the free lists collapse to whole slabs, and
+the next step fits in them unless it needs more bytes at once than any earlier one.
+
+The budget (``limit``) bounds the bytes reserved. A request that does not fit is
+refused (``allocate`` returns ``None``); the caller keeps the tensor on the device.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGN", "MIN_SLAB_BYTES", "HostBlock", "HostPool", "default_host_limit"]
+
+#: Alignment of every block (bytes): enough for every dtype and for fast DMA.
+ALIGN = 512
+#: Smallest slab the pool asks for.
+MIN_SLAB_BYTES = 64 << 20
+
+
+def default_host_limit() -> int:
+    """Half of the available host memory, divided by ``LOCAL_WORLD_SIZE`` (torchrun)."""
+    import psutil
+
+    world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local = max(1, int(world))
+    except ValueError:
+        local = 1
+    return int(psutil.virtual_memory().available // 2 // local)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Slab:
+    __slots__ = ("buffer", "size", "starts", "sizes", "used")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.size = buffer.numel()
+        self.starts: list[int] = [0]  # free ranges, sorted by start
+        self.sizes: list[int] = [self.size]
+        self.used = 0
+
+    def best_fit(self, nbytes: int) -> tuple[int, int] | None:
+        """(index in the free list, range size) of the smallest free range that fits."""
+        best = None
+        for i, size in enumerate(self.sizes):
+            if size >= nbytes and (best is None or size < best[1]):
+                best = (i, size)
+                if size == nbytes:
+                    break
+        return best
+
+    def take(self, index: int, nbytes: int) -> int:
+        start = self.starts[index]
+        if self.sizes[index] == nbytes:
+            del self.starts[index]
+            del self.sizes[index]
+        else:
+            self.starts[index] += nbytes
+            self.sizes[index] -= nbytes
+        self.used += nbytes
+        return start
+
+    def give(self, start: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        # merge with the following range, then with the preceding one
+        if i < len(self.starts) and start + nbytes == self.starts[i]:
+            nbytes += self.sizes[i]
+            del self.starts[i]
+            del self.sizes[i]
+        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
+            self.sizes[i - 1] += nbytes
+        else:
+            self.starts.insert(i, start)
+            self.sizes.insert(i, nbytes)
+
+
+class HostBlock:
+    """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`."""
+
+    __slots__ = ("slab", "start", "nbytes", "tensor")
+
+    def __init__(self, slab: _Slab, start: int, nbytes: int, length: int) -> None:
+        self.slab = slab
+        self.start = start
+        self.nbytes = nbytes  # reserved (aligned) bytes
+        self.tensor = slab.buffer[start : start + length]
+
+
+class HostPool:
+    """Slabs of (pinned) host memory, sub-allocated best-fit, with a byte budget.
+
+    Args:
+        limit: most bytes the pool may reserve. ``None`` uses :func:`default_host_limit`.
+        pin: page-lock the slabs (only meaningful with an accelerator).
+
+    Invariants: ``in_use_bytes <= reserved_bytes <= limit``; a block is handed out to one
+    owner at a time; ``close()`` returns every slab to the system.
+    """
+
+    def __init__(self, limit: int | None, pin: bool) -> None:
+        self.limit = default_host_limit() if limit is None else int(limit)
+        self.pin = pin
+        self._slabs: list[_Slab] = []
+        self._lock = threading.Lock()
+        self.reserved_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
+        #: Event of the newest host-to-device copy that reads pool memory (4.1(d)).
+        self.h2d_fence: Any = None
+
+    def allocate(self, length: int) -> HostBlock | None:
+        """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
+        nbytes = max(ALIGN, (length + ALIGN - 1) // ALIGN * ALIGN)
+        with self._lock:
+            block = self._take(nbytes, length)
+            if block is None:
+                slab = self._grow(nbytes)
+                if slab is None:
+                    return None
+                block = HostBlock(slab, slab.take(0, nbytes), nbytes, length)
+            self.in_use_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+            return block
+
+    def _take(self, nbytes: int, length: int) -> HostBlock | None:
+        best: tuple[_Slab, int, int] | None = None
+        for slab in self._slabs:
+            fit = slab.best_fit(nbytes)
+            if fit is not None and (best is None or fit[1] < best[2]):
+                best = (slab, fit[0], fit[1])
+        if best is None:
+            return None
+        slab, index, _ = best
+        return HostBlock(slab, slab.take(index, nbytes), nbytes, length)
+
+    def _grow(self, nbytes: int) -> _Slab | None:
+        size = max(MIN_SLAB_BYTES, _next_pow2(nbytes))
+        if self.reserved_bytes + size > self.limit:
+            # Empty slabs that are too small for this request are worth less than one
+            # that fits: return them first.
+            for slab in [s for s in self._slabs if s.used == 0]:
+                self._slabs.remove(slab)
+                self.reserved_bytes -= slab.size
+            if self.reserved_bytes + size > self.limit:
+                size = _next_pow2(nbytes)
+                if self.reserved_bytes + size > self.limit:
+                    return None
+        pin = self.pin and torch.cuda.is_available()
+        try:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError:  # the system refused the memory: behave as over budget
+            return None
+        slab = _Slab(buffer)
+        self._slabs.append(slab)
+        self.reserved_bytes += size
+        return slab
+
+    def free(self, block: HostBlock) -> None:
+        """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
+        with self._lock:
+            block.slab.give(block.start, block.nbytes)
+            block.slab.used -= block.nbytes
+            self.in_use_bytes -= block.nbytes
+            block.tensor = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Drop every slab. Blocks still handed out keep their own slab alive."""
+        with self._lock:
+            self._slabs.clear()
+            self.reserved_bytes = 0
+        if self.pin and torch.cuda.is_available():
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()

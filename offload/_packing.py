@@ -1,0 +1,149 @@
+"""Saved tensor -> the bytes that must travel, and back.
+
+Pure functions, no state: the scheduler calls them from the pack and unpack hooks.
+
+* :func:`span` gives the minimal byte range of a tensor's storage that covers every
+  element the tensor can address (views, transposes, slices, stride-0 expansions).
+  Several tensors over one storage share one copy when their spans nest (DESIGN.md 4.5).
+* :func:`rebuild` turns a reloaded byte span back into a tensor with the same dtype,
+  shape and strides (the storage offset is relative to the span).
+* :func:`is_parameter_derived` says whether a saved tensor is a parameter in disguise
+  (DESIGN.md 4.7): ``nn.Linear`` saves ``weight.t()``, autocast saves
+  ``weight.to(bf16)``; neither is an ``nn.Parameter`` but neither is an activation.
+* :func:`flatten` splits wrapper tensor subclasses (``__tensor_flatten__``) into plain
+  inner tensors; :func:`unflatten` rebuilds them (DESIGN.md 4.8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "span",
+    "rebuild",
+    "as_bytes",
+    "is_parameter_derived",
+    "is_plain",
+    "flatten",
+    "unflatten",
+    "unsupported",
+]
+
+# Autograd nodes that only re-view or re-type their input: a chain of these from a saved
+# tensor to a parameter's AccumulateGrad means the tensor is the parameter's data.
+_PASS_THROUGH_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "TransposeBackward1",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AsStridedBackward0",
+        "ToCopyBackward0",
+        "CloneBackward0",
+        "AliasBackward0",
+        "DetachBackward0",
+    }
+)
+_MAX_CHAIN = 8
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """True for ``torch.Tensor`` and ``nn.Parameter`` (not subclasses)."""
+    return type(t) in _PLAIN_TYPES
+
+
+def unsupported(t: torch.Tensor) -> bool:
+    """Layouts whose bytes are not one strided storage (sparse, nested, quantized, ...)."""
+    return t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_meta
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """``(start, end)`` in bytes of the storage region that ``t`` can address."""
+    itemsize = t.element_size()
+    offset = t.storage_offset()
+    if t.numel() == 0:
+        return offset * itemsize, offset * itemsize
+    last = offset
+    for size, stride in zip(t.shape, t.stride()):
+        last += (size - 1) * stride
+    return offset * itemsize, (last + 1) * itemsize
+
+
+def as_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A 1-D ``uint8`` view of bytes ``[start, end)`` of ``t``'s storage."""
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), start, (end - start,), (1,))
+
+
+def rebuild(
+    buffer: torch.Tensor,
+    dtype: torch.dtype,
+    size: torch.Size,
+    stride: tuple[int, ...],
+    byte_offset: int,
+) -> torch.Tensor:
+    """The tensor of ``dtype``/``size``/``stride`` at ``byte_offset`` into ``buffer``."""
+    out = torch.empty(0, dtype=dtype, device=buffer.device)
+    return out.set_(buffer.untyped_storage(), byte_offset // dtype.itemsize, size, stride)
+
+
+def is_parameter_derived(t: torch.Tensor, state_storages: set[int]) -> bool:
+    """Whether ``t`` is a parameter (or buffer), shares its storage, or views/casts one.
+
+    Args:
+        t: the saved tensor.
+        state_storages: ``data_ptr()`` of the untyped storages of the parameters and
+            buffers of the layer being run.
+    """
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    if t.untyped_storage().data_ptr() in state_storages:
+        return True
+    fn = t.grad_fn
+    for _ in range(_MAX_CHAIN):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            var = fn.variable
+            return isinstance(var, torch.nn.Parameter) or (
+                var.untyped_storage().data_ptr() in state_storages
+            )
+        if name not in _PASS_THROUGH_NODES:
+            return False
+        nexts = fn.next_functions
+        if not nexts:
+            return False
+        fn = nexts[0][0]
+    return False
+
+
+def flatten(t: torch.Tensor) -> tuple[list[str], Any, list[torch.Tensor]] | None:
+    """``(attribute names, context, inner tensors)`` of a wrapper subclass, else None."""
+    flat = getattr(t, "__tensor_flatten__", None)
+    if flat is None:
+        return None
+    names, ctx = flat()
+    return list(names), ctx, [getattr(t, n) for n in names]
+
+
+def unflatten(
+    cls: type, names: list[str], ctx: Any, inner: list[torch.Tensor], size: Any, stride: Any
+) -> torch.Tensor:
+    """Rebuild a wrapper subclass from its (reloaded) inner tensors."""
+    unflat: Callable[..., torch.Tensor] = cls.__tensor_unflatten__  # type: ignore[attr-defined]
+    return unflat(dict(zip(names, inner)), ctx, size, stride)

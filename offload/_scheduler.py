@@ -1,0 +1,691 @@
+"""The per-forward state machine: which saved tensor goes where, and when.
+
+One :class:`Step` per forward (one entry of the offloader's context). It owns the
+groups of that forward (one per layer call), their copies and the handles autograd
+holds. Handles outlive the context; the step lives as long as any of them.
+
+Note [release order]
+~~~~~~~~~~~~~~~~~~~~
+This note is the single place that answers "when is this block freed, and why is it
+safe?". Code and tests cite it.
+
+Forward, group g (the call of layer g), offloaded:
+
+1. *Pack.* A saved tensor's byte span is copied into a host block at save time:
+   the D2H stream first waits for the current (compute) stream, so the copy starts
+   after the kernel that produced the bytes (4.1(a)), and for the pool's H2D fence, so
+   the host block is not overwritten while an earlier backward still reads it (4.1(d)).
+   The group keeps ``t.detach()`` (the device reference) and the version at pack time.
+   Autograd gets a handle, never the tensor itself (a tensor saved by its own producer
+   would otherwise form a cycle through its ``grad_fn``).
+2. *Close.* When the layer's forward ends, an event is recorded on the D2H stream: it
+   completes when every copy of the group (and of earlier groups) has landed.
+3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g is the j-th of the
+   k offloaded groups; at the end of the forward when ``r == L``), the compute stream
+   waits for that event (``wait_event``: the device waits, the host does not) and the
+   group drops its device references. From then on the caching allocator may hand the
+   blocks to later kernels of the compute stream, which are queued behind the wait, so
+   no kernel can overwrite a block before its copy has read it (4.1(b)). The version
+   recorded at pack is compared first: a mismatch poisons the copy, and its unpack
+   raises the "modified by an inplace operation" error (4.6). A change made after the
+   release cannot be seen.
+
+Backward (outside the context, possibly on autograd's device threads):
+
+4. *Reload.* When the backward of layer ``q`` starts (the first gradient of its outputs
+   arrives: ``register_multi_grad_hook(mode="any")``), the groups due at ``q`` are
+   reloaded: buffers are allocated *in the compute stream's pool*; the H2D stream waits
+   for the compute stream (the new blocks may have been freed there by queued kernels,
+   4.1(e)) and for the D2H event of the group that made each copy, copies, and records
+   a reload event. That event becomes the pool's H2D fence (step 1).
+5. *Unpack.* The first unpack of a copy makes the current stream wait for its reload
+   event (4.1(c)) and rebuilds the tensor as a view of the reloaded span. A copy that
+   was not reloaded (irregular graphs, manual schedules) is reloaded on demand here.
+6. *Drop.* A group gives up its reloaded buffers when the gradients of its inputs are
+   complete (``register_multi_grad_hook(mode="all")`` on the layer inputs), or when its
+   last handle dies (autograd frees saved variables as nodes finish). A buffer whose
+   reload event no stream has waited for is first waited for on the compute stream, so
+   its block returns to the allocator only after the H2D that writes it (4.1(e)).
+   A copy shared by several groups keeps its buffer until all of them dropped it.
+7. *Death.* When the last handle of a copy dies, its host block returns to the pool.
+   The next D2H into that block waits for the pool's H2D fence (step 1). A handle can die
+   on any thread: if the lock is busy, the work is queued and done by the next caller.
+
+An exception inside the forward (``Step.abort``) waits for the outstanding D2H copies on
+the compute stream, drops every device reference and returns every host block at once;
+the failed forward's graph can no longer be unpacked.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload import _packing
+from offload._device import Backend, backend_for
+from offload._host_pool import HostBlock, HostPool
+from offload.profiling import LayerStats, OffloadStats
+
+__all__ = ["Plan", "Runtime", "Step", "make_plan", "opted_out"]
+
+_thread = threading.local()
+
+
+def opted_out() -> bool:
+    """Whether the calling thread is inside :func:`offload.no_offload`."""
+    return getattr(_thread, "no_offload", 0) > 0
+
+
+def _enter_no_offload() -> None:
+    _thread.no_offload = getattr(_thread, "no_offload", 0) + 1
+
+
+def _exit_no_offload() -> None:
+    _thread.no_offload -= 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors that require grad in a layer's inputs or outputs (tensor, tuple, dict)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                _tensors_in(item, out, depth + 1)
+        elif isinstance(obj, dict):  # also HF ModelOutput (an OrderedDict)
+            for item in obj.values():
+                _tensors_in(item, out, depth + 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the plan of one forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Release and reload points of one forward (DESIGN.md section 3).
+
+    ``release_at[r]`` lists the groups released when layer ``r``'s forward starts (groups
+    whose release point is ``L`` are released when the forward ends);
+    ``reload_at[q]`` lists the groups reloaded when layer ``q``'s backward starts, in the
+    order they will be needed.
+    """
+
+    num_groups: int
+    offloaded: frozenset[int]
+    release_at: dict[int, tuple[int, ...]]
+    reload_at: dict[int, tuple[int, ...]]
+
+
+def make_plan(num_groups: int, offloaded: list[int], prefetch_layers: int | None) -> Plan:
+    """The schedule of Note [release order] for ``offloaded`` (sorted) out of ``num_groups``."""
+    L, k = num_groups, len(offloaded)
+    release: dict[int, list[int]] = collections.defaultdict(list)
+    reload: dict[int, list[int]] = collections.defaultdict(list)
+    for j, s in enumerate(offloaded):
+        r = max(s + 1, L - k + j)
+        if r < L:
+            release[r].append(s)
+        if prefetch_layers is None:
+            q = min(L - 1, max(s + 1, L - 1 - k + j))
+        else:
+            q = min(L - 1, s + prefetch_layers)
+        reload[q].append(s)
+    return Plan(
+        num_groups=L,
+        offloaded=frozenset(offloaded),
+        release_at={r: tuple(g) for r, g in release.items()},
+        reload_at={q: tuple(sorted(g, reverse=True)) for q, g in reload.items()},
+    )
+
+
+# --------------------------------------------------------------------------------------
+# copies, groups, handles
+
+
+class _Copy:
+    """One span of one device storage, copied to the host once per forward."""
+
+    __slots__ = (
+        "group", "start", "end", "version", "host", "refs", "buffer", "reload_event",
+        "stream", "waited", "holders", "poison",
+    )
+
+    def __init__(self, group: _Group, start: int, end: int, version: int, host: HostBlock):
+        self.group = group  # the group whose D2H event covers this copy
+        self.start = start
+        self.end = end
+        self.version = version
+        self.host: HostBlock | None = host
+        self.refs = 0  # live handles
+        self.buffer: torch.Tensor | None = None  # reloaded device bytes
+        self.reload_event: Any = None
+        self.stream: Any = None
+        self.waited = False
+        self.holders = 0  # groups holding the reloaded buffer
+        self.poison: str | None = None
+
+
+class _Group:
+    """One layer call of a forward."""
+
+    __slots__ = (
+        "index", "module", "offload", "stream", "copies", "device_refs", "d2h_done",
+        "released", "reloaded", "live", "stats", "state_storages", "closed",
+    )
+
+    def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
+        self.index = index
+        self.module = module
+        self.offload = offload
+        self.stream = stream  # the compute stream current when the layer ran
+        self.copies: dict[int, _Copy] = {}  # id -> copy, also copies made by other groups
+        self.device_refs: list[tuple[torch.Tensor, int, _Copy]] = []
+        self.d2h_done: Any = None
+        self.released = False
+        self.reloaded = False
+        self.live = 0  # live handles pointing at copies
+        self.stats = LayerStats(index=index, offloaded=offload)
+        self.state_storages: set[int] | None = None
+        self.closed = False
+
+
+class _Packed:
+    """What autograd keeps for one saved tensor: kept on the device, or a host copy.
+
+    ``tensor`` is set for a tensor kept on the device (and, until the next group opens,
+    for one saved between two groups); ``copy`` is set once the tensor is offloaded.
+    """
+
+    __slots__ = ("step", "group", "copy", "tensor", "version", "dtype", "size", "stride", "offset")
+
+    def __init__(self, step: Step, tensor: torch.Tensor) -> None:
+        self.step = step
+        self.group: _Group | None = None
+        self.copy: _Copy | None = None
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor: the kept one, or the reloaded copy rebuilt as a view."""
+        t = self.tensor
+        if t is not None:
+            if t._version != self.version:
+                raise RuntimeError(_inplace_message(t, self.version))
+            return t
+        return self.step.unpack_offloaded(self)
+
+    def __del__(self) -> None:
+        if self.copy is not None:
+            self.step.handle_died(self.copy, self.group)
+
+
+class _PackedSubclass:
+    """A wrapper tensor subclass: its inner tensors are packed one by one."""
+
+    __slots__ = ("cls", "names", "ctx", "parts", "size", "stride")
+
+    def __init__(self, cls: type, names: list[str], ctx: Any, parts: list[Any], size: Any, stride: Any):
+        self.cls, self.names, self.ctx, self.parts = cls, names, ctx, parts
+        self.size, self.stride = size, stride
+
+    def unpack(self) -> torch.Tensor:
+        inner = [p.unpack() for p in self.parts]
+        return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
+
+
+def unpack_hook(handle: _Packed | _PackedSubclass) -> torch.Tensor:
+    """The unpack half of the saved-tensor hooks."""
+    return handle.unpack()
+
+
+def _inplace_message(t: torch.Tensor, version: int) -> str:
+    return (
+        f"one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{t.dtype}{list(t.shape)}] is at version {t._version}; "
+        f"expected version {version} instead (detected by offload: the tensor was saved "
+        f"for backward and then changed in place)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# the runtime shared by the forwards of one offloader
+
+
+class Runtime:
+    """State shared by every forward of one offloader: config, pool, backends, lock."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self._pool: HostPool | None = None
+        self._backends: dict[torch.device, Backend] = {}
+        self.graveyard: collections.deque[tuple[Step, _Copy, _Group | None]] = collections.deque()
+        self.warned_host_limit = False
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = HostPool(self.config.host_memory_limit, self.config.pin_memory)
+        return self._pool
+
+    def backend(self, device: torch.device) -> Backend:
+        b = self._backends.get(device)
+        if b is None:
+            b = self._backends[device] = backend_for(device)
+        return b
+
+    def drain(self) -> None:
+        """Finish the work of handles that died while the lock was busy (lock held)."""
+        while self.graveyard:
+            step, copy, group = self.graveyard.popleft()
+            step._retire(copy, group)
+
+    def close(self) -> None:
+        with self.lock:
+            self.drain()
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+
+# --------------------------------------------------------------------------------------
+# one forward
+
+
+class Step:
+    """The groups, copies and stats of one forward, and the hooks that drive them."""
+
+    def __init__(self, runtime: Runtime, plan: Plan, select: Callable[[int, Any], bool]) -> None:
+        self.rt = runtime
+        self.cfg = runtime.config
+        self.plan = plan
+        self.select = select
+        self.groups: list[_Group] = []
+        self.open: _Group | None = None
+        self.depth = 0  # nested calls of registered layers inside an open group
+        self.pending: list[_Packed] = []
+        self.forward_done = False
+        self.aborted = False
+        self.storages: dict[StorageWeakRef, list[_Copy]] = {}
+        self.stats = OffloadStats()
+        self.device: torch.device | None = None
+        self.backend: Backend | None = None
+        self.hooks: list[Any] = []
+
+    # ---- forward: layer boundaries ----------------------------------------------------
+
+    def open_group(self, module: torch.nn.Module | None, inputs: Any = None) -> None:
+        with self.rt.lock:
+            self.rt.drain()
+            if self.open is not None:  # a registered layer called inside another one
+                self.depth += 1
+                return
+            index = len(self.groups)
+            if index < self.plan.num_groups:
+                offload = index in self.plan.offloaded
+            else:
+                offload = bool(self.select(index, module))
+            stream = self.backend.current_stream() if self.backend is not None else None
+            group = _Group(index, module, offload, stream)
+            self.groups.append(group)
+            self.stats.layers.append(group.stats)
+            self.open = group
+            for j in self.plan.release_at.get(index, ()):
+                if j < index:
+                    self._release(self.groups[j])
+            pending, self.pending = self.pending, []
+            for handle in pending:
+                self._place(handle, handle.tensor, group)  # type: ignore[arg-type]
+        if offload and inputs is not None:
+            tensors = _tensors_in(inputs, [])
+            if tensors:
+                self.hooks.append(
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, functools.partial(self._inputs_done, index), mode="all"
+                    )
+                )
+
+    def close_group(self, outputs: Any = None) -> None:
+        with self.rt.lock:
+            if self.depth:
+                self.depth -= 1
+                return
+            group = self.open
+            if group is None:
+                return
+            self.open = None
+            group.closed = True
+            if group.device_refs and self.backend is not None:
+                group.d2h_done = self.backend.record_d2h()
+            index = group.index
+        if outputs is not None:
+            self.register_trigger(index, outputs)
+
+    def register_trigger(self, index: int, outputs: Any) -> None:
+        """Reload the groups due at ``index`` when the gradient of ``outputs`` arrives."""
+        if index not in self.plan.reload_at:
+            return
+        tensors = _tensors_in(outputs, [])
+        if tensors:
+            self.hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._backward_started, index), mode="any"
+                )
+            )
+
+    def finish_forward(self) -> None:
+        """The context exited normally: release what is left (Note [release order], 3)."""
+        with self.rt.lock:
+            self.rt.drain()
+            self.open = None
+            self.forward_done = True
+            for handle in self.pending:
+                self._keep(handle, "outside_layers", None, _span_bytes(handle.tensor))
+            self.pending = []
+            for group in self.groups:
+                if group.offload and not group.released:
+                    if not group.closed and group.device_refs and self.backend is not None:
+                        group.d2h_done = self.backend.record_d2h()
+                    self._release(group)
+            self._refresh_pool_stats()
+
+    def abort(self) -> None:
+        """The forward raised: free everything now (Note [release order], last part)."""
+        with self.rt.lock:
+            self.rt.drain()
+            self.open = None
+            self.forward_done = True
+            self.aborted = True
+            self.pending = []
+            if self.backend is not None and any(g.device_refs for g in self.groups):
+                done = self.backend.record_d2h()
+                for group in self.groups:
+                    if group.device_refs:
+                        self.backend.wait(group.stream, done)
+            for group in self.groups:
+                group.device_refs.clear()
+                group.released = True
+            for copies in self.storages.values():
+                for copy in copies:
+                    if copy.host is not None:
+                        self.rt.pool.free(copy.host)
+                        copy.host = None
+                    copy.buffer = None
+            self.storages.clear()
+            self._refresh_pool_stats()
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    # ---- forward: packing ------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> _Packed | _PackedSubclass:
+        """The pack half of the saved-tensor hooks (Note [release order], 1)."""
+        with self.rt.lock:
+            return self._pack(tensor)
+
+    def _pack(self, t: torch.Tensor) -> _Packed | _PackedSubclass:
+        if not _packing.is_plain(t):
+            flat = _packing.flatten(t)
+            if flat is not None:
+                names, ctx, inner = flat
+                parts = [self._pack(x) for x in inner]
+                return _PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
+        handle = _Packed(self, t.detach())
+        if not _packing.is_plain(t) or _packing.unsupported(t):
+            self._keep(handle, "unsupported", self.open, 0)
+        elif opted_out() or getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False):
+            self._keep(handle, "opted_out", self.open, _span_bytes(t))
+        elif self.open is None:
+            if self.groups and not self.forward_done:
+                self.pending.append(handle)  # decided when the next group opens
+            else:
+                self._keep(handle, "outside_layers", None, _span_bytes(t))
+        else:
+            self._place(handle, handle.tensor, self.open)  # type: ignore[arg-type]
+        return handle
+
+    def _keep(self, handle: _Packed, reason: str, group: _Group | None, nbytes: int) -> None:
+        self.stats.bytes_kept[reason] += nbytes
+        if group is not None:
+            group.stats.bytes_kept[reason] += nbytes
+
+    def _place(self, handle: _Packed, t: torch.Tensor, group: _Group) -> None:
+        """Keep ``t`` on the device with a reason, or start its copy to the host."""
+        start, end = _packing.span(t)
+        nbytes = end - start
+        if self.device is None and t.device.type in ("cpu", "cuda"):
+            self.device = t.device
+            self.backend = self.rt.backend(t.device)
+            if group.stream is None:
+                group.stream = self.backend.current_stream()
+        if t.device != self.device:
+            return self._keep(handle, "device", group, nbytes)
+        if group.state_storages is None:
+            group.state_storages = _state_storages(group.module)
+        if _packing.is_parameter_derived(t, group.state_storages):
+            return self._keep(handle, "parameter", group, nbytes)
+        if not group.offload:
+            return self._keep(handle, "not_selected", group, nbytes)
+        flt = self.cfg.tensor_filter
+        if flt is not None and not flt(t):
+            return self._keep(handle, "filtered", group, nbytes)
+        if nbytes < self.cfg.min_tensor_bytes:
+            return self._keep(handle, "small", group, nbytes)
+
+        key = StorageWeakRef(t.untyped_storage())
+        copies = self.storages.get(key)
+        copy = None
+        if copies is not None:
+            for c in copies:
+                if (
+                    c.start <= start
+                    and end <= c.end
+                    and c.version == handle.version
+                    and (start - c.start) % t.element_size() == 0
+                    and c.host is not None
+                ):
+                    copy = c
+                    break
+        if copy is not None and copy.group is not group:
+            self._keep(handle, "shared", group, nbytes)  # transferred once, by copy.group
+        elif copy is None:
+            block = self.rt.pool.allocate(nbytes)
+            if block is None:
+                self._warn_host_limit(nbytes)
+                return self._keep(handle, "host_limit", group, nbytes)
+            copy = _Copy(group, start, end, handle.version, block)
+            self.backend.d2h(_packing.as_bytes(t, start, end), block.tensor, self.rt.pool.h2d_fence)  # type: ignore[union-attr]
+            group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]
+            self.storages.setdefault(key, []).append(copy)
+            group.stats.bytes_offloaded += nbytes
+            self.stats.bytes_offloaded += nbytes
+            name = _dtype_name(t.dtype)
+            self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + nbytes
+            self.stats.host_pool_peak_bytes = self.rt.pool.peak_bytes
+        group.copies[id(copy)] = copy
+        copy.refs += 1
+        group.live += 1
+        handle.group = group
+        handle.copy = copy
+        handle.dtype = t.dtype
+        handle.size = t.size()
+        handle.stride = t.stride()
+        handle.offset = start - copy.start
+        handle.tensor = None
+
+    def _warn_host_limit(self, nbytes: int) -> None:
+        if not self.rt.warned_host_limit:
+            self.rt.warned_host_limit = True
+            pool = self.rt.pool
+            warnings.warn(
+                f"offload: the host memory budget is reached ({pool.reserved_bytes} of "
+                f"host_memory_limit={pool.limit} bytes reserved; a tensor of {nbytes} bytes "
+                f"stays on the device, reason 'host_limit'). Raise host_memory_limit to "
+                f"offload more; training stays correct.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _release(self, group: _Group) -> None:
+        """Drop a group's device references once its copies are done (lock held)."""
+        if group.released:
+            return
+        group.released = True
+        if not group.device_refs:
+            return
+        self.backend.wait(group.stream, group.d2h_done)  # type: ignore[union-attr]
+        for t, version, copy in group.device_refs:
+            if t._version != version:
+                copy.poison = _inplace_message(t, version)
+        group.device_refs.clear()
+
+    # ---- backward --------------------------------------------------------------------
+
+    def _backward_started(self, index: int, _grad: Any) -> None:
+        with self.rt.lock:
+            self.rt.drain()
+            for j in self.plan.reload_at.get(index, ()):
+                if j < len(self.groups):
+                    self._reload(self.groups[j])
+
+    def _inputs_done(self, index: int, _grads: Any) -> None:
+        with self.rt.lock:
+            self.rt.drain()
+            self._drop(self.groups[index])
+
+    def _reload(self, group: _Group) -> None:
+        """Start the H2D copies of a group's spans (Note [release order], 4; lock held)."""
+        if not group.copies or self.aborted:
+            return
+        backend = self.backend
+        stream = group.stream if group.stream is not None else backend.current_stream()  # type: ignore[union-attr]
+        pairs, waits, todo = [], [], []
+        for copy in group.copies.values():
+            if copy.buffer is None and copy.host is not None:
+                copy.buffer = backend.alloc(copy.end - copy.start, stream)  # type: ignore[union-attr]
+                pairs.append((copy.host.tensor, copy.buffer))
+                owner = copy.group
+                if owner.d2h_done is None and owner.device_refs:
+                    owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
+                waits.append(owner.d2h_done)
+                todo.append(copy)
+        if pairs:
+            event = backend.h2d(pairs, waits, stream)  # type: ignore[union-attr]
+            for copy in todo:
+                copy.reload_event = event
+                copy.stream = stream
+                copy.waited = False
+                self.stats.bytes_reloaded += copy.end - copy.start
+            if event is not None:
+                self.rt.pool.h2d_fence = event
+        if not group.reloaded:
+            for copy in group.copies.values():
+                copy.holders += 1
+            group.reloaded = True
+
+    def unpack_offloaded(self, handle: _Packed) -> torch.Tensor:
+        """Rebuild an offloaded tensor (Note [release order], 5)."""
+        with self.rt.lock:
+            self.rt.drain()
+            copy = handle.copy
+            if copy.poison is not None:  # type: ignore[union-attr]
+                raise RuntimeError(copy.poison)  # type: ignore[union-attr]
+            if copy.host is None:  # type: ignore[union-attr]
+                raise RuntimeError(
+                    "offload: this saved tensor's host copy was freed because the forward "
+                    "that saved it raised an exception; run the forward again before "
+                    "calling backward"
+                )
+            if copy.buffer is None:  # type: ignore[union-attr]
+                self._reload(handle.group)  # type: ignore[arg-type]  # on demand
+            if not copy.waited:  # type: ignore[union-attr]
+                self.backend.wait_current(copy.reload_event)  # type: ignore[union-attr]
+                copy.waited = True  # type: ignore[union-attr]
+            buffer = copy.buffer  # type: ignore[union-attr]
+        return _packing.rebuild(buffer, handle.dtype, handle.size, handle.stride, handle.offset)
+
+    def _drop(self, group: _Group) -> None:
+        """A group's backward is over: give up its reloaded buffers (lock held)."""
+        if not group.reloaded:
+            return
+        group.reloaded = False
+        for copy in group.copies.values():
+            copy.holders -= 1
+            if copy.holders <= 0:
+                copy.holders = 0
+                self._drop_buffer(copy)
+
+    def _drop_buffer(self, copy: _Copy) -> None:
+        if copy.buffer is not None:
+            if not copy.waited:
+                self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
+            copy.buffer = None
+
+    # ---- handle death ----------------------------------------------------------------
+
+    def handle_died(self, copy: _Copy, group: _Group | None) -> None:
+        """Called from ``_Packed.__del__``, on any thread (Note [release order], 7)."""
+        rt = self.rt
+        if rt.lock.acquire(blocking=False):
+            try:
+                rt.drain()
+                self._retire(copy, group)
+            finally:
+                rt.lock.release()
+        else:
+            rt.graveyard.append((self, copy, group))
+
+    def _retire(self, copy: _Copy, group: _Group | None) -> None:
+        copy.refs -= 1
+        if copy.refs == 0:
+            self._drop_buffer(copy)
+            if copy.host is not None:
+                self.rt.pool.free(copy.host)
+                copy.host = None
+        if group is not None:
+            group.live -= 1
+            if group.live == 0:
+                self._drop(group)
+        self._refresh_pool_stats()
+
+    def _refresh_pool_stats(self) -> None:
+        pool = self.rt._pool
+        if pool is not None:
+            self.stats.host_pool_bytes = pool.in_use_bytes
+            self.stats.host_pool_reserved_bytes = pool.reserved_bytes
+            self.stats.host_pool_peak_bytes = pool.peak_bytes
+
+
+def _span_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    start, end = _packing.span(t)
+    return end - start
+
+
+def _state_storages(module: torch.nn.Module | None) -> set[int]:
+    if module is None:
+        return set()
+    out = set()
+    for p in module.parameters():
+        out.add(p.untyped_storage().data_ptr())
+    for b in module.buffers():
+        out.add(b.untyped_storage().data_ptr())
+    out.discard(0)
+    return out

@@ -1,0 +1,439 @@
+"""Activation offloading: :class:`ActivationOffloader`, :func:`no_offload` and the
+TransformerEngine-compatible :func:`get_cpu_offload_context`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from offload._scheduler import (
+    Runtime,
+    Step,
+    _enter_no_offload,
+    _exit_no_offload,
+    make_plan,
+    unpack_hook,
+)
+from offload.config import LayerSelection, OffloadConfig
+from offload.profiling import OffloadStats
+
+__all__ = ["ActivationOffloader", "no_offload", "get_cpu_offload_context"]
+
+_UNSET: Any = object()
+
+
+def _resolve_selection(selection: LayerSelection, num_groups: int) -> Callable[[int, Any], bool]:
+    """``offload_layers`` as ``select(index, module) -> bool`` for a forward of ``num_groups``."""
+    if selection is None:
+        return lambda i, m: i < num_groups - 1
+    if isinstance(selection, int):
+        return lambda i, m: i < selection
+    if callable(selection):
+        return lambda i, m: bool(selection(i, m))
+    chosen = frozenset(selection)
+    return lambda i, m: i in chosen
+
+
+def _check_selection(selection: LayerSelection, num_groups: int) -> None:
+    if isinstance(selection, bool) or selection is None or callable(selection):
+        return
+    if isinstance(selection, int):
+        if selection > num_groups:
+            raise ValueError(
+                f"offload_layers={selection} asks for more layers than the {num_groups} "
+                f"given; pass an int <= {num_groups}"
+            )
+        return
+    bad = [i for i in selection if i >= num_groups]
+    if bad:
+        raise ValueError(
+            f"offload_layers={list(selection)} has indices {bad} out of range for "
+            f"{num_groups} layers; accepted: 0 <= index < {num_groups}"
+        )
+
+
+class ActivationOffloader:
+    """Offload the activations that layers save for backward to host memory.
+
+    Inside ``with offloader:`` every tensor that autograd saves while one of ``layers``
+    runs is copied to host memory as soon as it is saved, on a side stream, and the
+    device copy is dropped once the copy has landed, as late as keeps at most
+    ``L - k`` offloaded layers' activations resident (L layer calls, k offloaded). The
+    backward (run outside the context) brings each group back a few layers before it is
+    needed. Gradients are bitwise identical to a run without offloading.
+
+    Args:
+        layers: the repeated blocks, in call order (e.g. ``model.layers`` or
+            :func:`offload.find_layers`). Each call of one of them is a group.
+        offload_layers: which groups are offloaded. ``None`` (default): all but the
+            last; ``int`` n: the first n; a sequence of indices; or
+            ``callable(index, module) -> bool``.
+        min_tensor_bytes: tensors whose copied bytes are fewer stay on the device.
+            Default ``256 * 1024``.
+        prefetch_layers: ``None`` (default) reloads as early as the resident bound
+            allows; ``int`` n reloads a group when the backward of the layer n calls
+            later starts.
+        pin_memory: page-lock host buffers. Default ``True``; ignored without an
+            accelerator.
+        host_memory_limit: bytes of host memory for offloaded tensors. ``None``
+            (default): half of the available memory divided by ``LOCAL_WORLD_SIZE``.
+            Past it, tensors stay on the device (reason ``host_limit``, one warning).
+        double_buffering: accepted for compatibility; see the README (default
+            ``False``).
+        tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps a tensor on the
+            device (reason ``filtered``). Default ``None``.
+        timing: record copy and stall times in the stats (``True`` is not implemented
+            yet and raises ``NotImplementedError``). Default ``False``.
+        config: an :class:`OffloadConfig` instead of the keywords above.
+
+    Raises:
+        TypeError: ``layers`` is not a sequence of ``nn.Module``; a keyword has the
+            wrong type; both ``config`` and keywords are given.
+        ValueError: ``layers`` is empty; ``offload_layers`` is out of range for
+            ``len(layers)``; a numeric keyword is out of range.
+
+    Invariants (``# Note [release order]`` in ``offload/_scheduler.py`` says why each
+    holds): a copy never starts before the kernel that produced its bytes; a device block
+    is never freed before its copy finished; a reloaded tensor is never read before its
+    copy finished; host memory comes from a pool of slabs reused across steps; nothing
+    waits on the host in steady state.
+
+    Example:
+        >>> layers = [torch.nn.Linear(512, 512) for _ in range(4)]
+        >>> model = torch.nn.Sequential(*layers)
+        >>> offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+        >>> x = torch.randn(64, 512, requires_grad=True)
+        >>> with offloader:
+        ...     loss = model(x).square().mean()
+        >>> loss.backward()
+        >>> offloader.stats.bytes_offloaded > 0
+        True
+        >>> offloader.close()
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.nn.Module],
+        *,
+        offload_layers: LayerSelection = _UNSET,
+        min_tensor_bytes: int = _UNSET,
+        prefetch_layers: int | None = _UNSET,
+        pin_memory: bool = _UNSET,
+        host_memory_limit: int | None = _UNSET,
+        double_buffering: bool = _UNSET,
+        tensor_filter: Callable[[torch.Tensor], bool] | None = _UNSET,
+        timing: bool = _UNSET,
+        config: OffloadConfig | None = None,
+    ) -> None:
+        given = {
+            name: value
+            for name, value in (
+                ("offload_layers", offload_layers),
+                ("min_tensor_bytes", min_tensor_bytes),
+                ("prefetch_layers", prefetch_layers),
+                ("pin_memory", pin_memory),
+                ("host_memory_limit", host_memory_limit),
+                ("double_buffering", double_buffering),
+                ("tensor_filter", tensor_filter),
+                ("timing", timing),
+            )
+            if value is not _UNSET
+        }
+        if config is not None:
+            if not isinstance(config, OffloadConfig):
+                raise TypeError(
+                    f"config must be an offload.OffloadConfig or None; got "
+                    f"{type(config).__name__}"
+                )
+            if given:
+                raise TypeError(
+                    f"pass either config= or keyword settings, not both (got config and "
+                    f"{sorted(given)}); use dataclasses.replace(config, ...) to combine"
+                )
+        else:
+            config = OffloadConfig(**given)
+        if config.timing:
+            raise NotImplementedError(
+                "timing=True is not implemented yet; leave it False (the stats' "
+                "d2h_seconds/h2d_seconds/stall_seconds stay None)"
+            )
+        if isinstance(layers, torch.nn.Module) and not isinstance(
+            layers, (torch.nn.ModuleList, torch.nn.Sequential)
+        ):
+            raise TypeError(
+                f"layers must be a sequence of nn.Module (the repeated blocks, e.g. "
+                f"model.layers or offload.find_layers(model)); got a single "
+                f"{type(layers).__name__}"
+            )
+        if not isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)):
+            raise TypeError(
+                f"layers must be a sequence of nn.Module; got {type(layers).__name__}"
+            )
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers is empty; pass the model's repeated blocks, in order")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, torch.nn.Module):
+                raise TypeError(
+                    f"layers[{i}] must be an nn.Module; got {type(layer).__name__}"
+                )
+        _check_selection(config.offload_layers, len(layers))
+        self.config = config
+        self._layers = layers
+        self._runtime = Runtime(config)
+        self._step: Step | None = None
+        self._last: Step | None = None
+        self._hooks: list[Any] = []
+        self._saved_hooks: Any = None
+        self._calls: list[Any] = list(layers)  # the modules called by the last forward
+        self._closed = False
+
+    # ---- the context ----------------------------------------------------------------
+
+    def _plan(self) -> Step:
+        calls = self._calls
+        select = _resolve_selection(self.config.offload_layers, len(calls))
+        offloaded = [i for i, m in enumerate(calls) if select(i, m)]
+        plan = make_plan(len(calls), offloaded, self.config.prefetch_layers)
+        return Step(self._runtime, plan, select)
+
+    def __enter__(self) -> ActivationOffloader:
+        if self._step is not None:
+            raise RuntimeError(
+                "this ActivationOffloader is already entered; nested `with offloader:` "
+                "blocks are not supported (exit the first one before entering again)"
+            )
+        self._closed = False
+        step = self._plan()
+        for module in dict.fromkeys(self._layers):  # each module once, in order
+            self._hooks.append(
+                module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
+            )
+            self._hooks.append(
+                module.register_forward_hook(self._layer_end, with_kwargs=True)
+            )
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
+        self._saved_hooks.__enter__()
+        self._step = step
+        self._last = step
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        step, self._step = self._step, None
+        try:
+            if exc_type is None:
+                step.finish_forward()
+                self._calls = [g.module for g in step.groups] or self._calls
+            else:
+                step.abort()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(exc_type, exc, tb)
+
+    def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        step = self._step
+        if step is not None:
+            step.open_group(module, (args, kwargs))
+
+    def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        step = self._step
+        if step is not None:
+            step.close_group(output)
+
+    # ---- results ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> OffloadStats:
+        """:class:`OffloadStats` of the most recent forward (updated by its backward)."""
+        step = self._last
+        if step is None:
+            return OffloadStats()
+        with self._runtime.lock:
+            self._runtime.drain()
+            step._refresh_pool_stats()
+        return step.stats
+
+    def report(self, console: Any = None) -> None:
+        """Print :attr:`stats` as a table (rich)."""
+        self.stats.report(console)
+
+    def close(self) -> None:
+        """Free the host memory pool. Idempotent; also runs on garbage collection.
+
+        Tensors still saved by a graph keep their own host blocks alive until the graph
+        is freed; the offloader can be entered again (a new pool is made on demand).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._runtime.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f.name}={getattr(self.config, f.name)!r}" for f in dataclasses.fields(self.config)
+        )
+        return f"ActivationOffloader({len(self._layers)} layers, {fields})"
+
+
+class no_offload(contextlib.ContextDecorator):
+    """Keep tensors saved in this block (or decorated function) on the device.
+
+    Saves made inside are counted under the reason ``opted_out``. Works as a context
+    manager and as a decorator; nests; applies to the calling thread only.
+
+    Example:
+        >>> @no_offload()
+        ... def head(x):
+        ...     return x.sigmoid()
+    """
+
+    def __enter__(self) -> no_offload:
+        _enter_no_offload()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _exit_no_offload()
+
+
+# --------------------------------------------------------------------------------------
+# TransformerEngine-compatible manual API
+
+
+class _ManualContext:
+    """One ``with`` entry = one group; ``model_layers`` entries make one forward."""
+
+    def __init__(self, num_layers: int, model_layers: int, config: OffloadConfig) -> None:
+        self.num_layers = num_layers
+        self.model_layers = model_layers
+        self.runtime = Runtime(config)
+        self.config = config
+        self.step: Step | None = None
+        self._hooks: Any = None
+
+    def __enter__(self) -> _ManualContext:
+        step = self.step
+        if step is None or len(step.groups) >= self.model_layers:
+            select = _resolve_selection(self.num_layers, self.model_layers)
+            plan = make_plan(
+                self.model_layers, list(range(self.num_layers)), self.config.prefetch_layers
+            )
+            step = self.step = Step(self.runtime, plan, select)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
+        self._hooks.__enter__()
+        step.open_group(None)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        step = self.step
+        try:
+            if exc_type is not None:
+                step.abort()
+                self.step = None
+                return
+            step.close_group()
+            if len(step.groups) >= self.model_layers:
+                step.finish_forward()
+        finally:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(exc_type, exc, tb)
+
+    def sync(self, output: Any) -> Any:
+        """Mark the end of the group just closed; returns ``output`` unchanged."""
+        step = self.step
+        if step is not None and step.groups:
+            step.register_trigger(len(step.groups) - 1, output)
+        return output
+
+    @property
+    def stats(self) -> OffloadStats:
+        step = self.step
+        return OffloadStats() if step is None else step.stats
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+) -> tuple[Any, Callable[[Any], Any]]:
+    """TransformerEngine-style manual offloading: ``(context, sync)``.
+
+    Each ``with context:`` entry is one group (one layer); after ``model_layers``
+    entries the next entry starts a new forward. The first ``num_layers`` groups of each
+    forward are offloaded, with the same schedule as :class:`ActivationOffloader`. Call
+    ``x = sync(x)`` on each layer's output after its ``with`` block: it marks the group
+    boundary for the backward (reload triggers) and returns ``x`` itself.
+
+    Args:
+        enabled: ``False`` (default) returns ``(contextlib.nullcontext(), identity)``.
+        num_layers: groups offloaded per forward; ``0 <= num_layers <= model_layers - 1``.
+            Default 1.
+        model_layers: groups per forward. Default 1.
+        offload_activations: offload saved activations. Default ``True``.
+        offload_weights: must be ``False``; use :class:`offload.WeightOffloader`.
+        double_buffering: accepted for compatibility (see ``ActivationOffloader``).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: ``num_layers`` or ``model_layers`` is out of range.
+        NotImplementedError: ``offload_weights=True``.
+
+    Example:
+        >>> ctx, sync = get_cpu_offload_context(True, num_layers=1, model_layers=2)
+        >>> layers = [torch.nn.Linear(8, 8) for _ in range(2)]
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(x)
+        ...     x = sync(x)
+        >>> x.sum().backward()
+    """
+    for name, value in (
+        ("enabled", enabled),
+        ("offload_activations", offload_activations),
+        ("offload_weights", offload_weights),
+        ("double_buffering", double_buffering),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
+    for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if not enabled:
+        return contextlib.nullcontext(), _identity
+    if offload_weights:
+        raise NotImplementedError(
+            "offload_weights=True is not supported by get_cpu_offload_context (as in "
+            "TransformerEngine); use offload.WeightOffloader for weights"
+        )
+    if model_layers < 1:
+        raise ValueError(f"model_layers={model_layers}: must be >= 1")
+    if not 0 <= num_layers <= model_layers - 1:
+        raise ValueError(
+            f"num_layers={num_layers}: must satisfy 0 <= num_layers <= model_layers - 1 "
+            f"= {model_layers - 1} (as in TransformerEngine)"
+        )
+    if not offload_activations:
+        return contextlib.nullcontext(), _identity
+    config = OffloadConfig(offload_layers=num_layers, double_buffering=double_buffering)
+    ctx = _ManualContext(num_layers, model_layers, config)
+    return ctx, ctx.sync

@@ -1,0 +1,119 @@
+"""``OffloadConfig``: every knob of :class:`offload.ActivationOffloader` in one frozen object."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["OffloadConfig", "LayerSelection"]
+
+#: What ``offload_layers`` accepts: ``None`` (all but the last), ``int`` n (the first n),
+#: a sequence of indices, or ``callable(index, module) -> bool``.
+LayerSelection = None | int | Sequence[int] | Callable[[int, torch.nn.Module], bool]
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Settings of an :class:`~offload.ActivationOffloader`, validated at construction.
+
+    Args:
+        offload_layers: which layer calls (groups) are offloaded. ``None`` (default) means
+            all but the last; an ``int`` n means the first n; a sequence of ``int`` selects
+            by index; a ``callable(index, module) -> bool`` decides per call.
+        min_tensor_bytes: saved tensors whose copied bytes are fewer than this stay on the
+            device (reason ``small``). Default ``256 * 1024``.
+        prefetch_layers: ``None`` (default) reloads each group as early as the resident
+            bound of DESIGN.md section 3 allows; an ``int`` n >= 1 reloads a group when the
+            backward of the layer n calls after it starts.
+        pin_memory: use page-locked host memory (needed for copies that overlap compute).
+            Ignored on a machine without an accelerator. Default ``True``.
+        host_memory_limit: bytes of host memory the pool may hold; ``None`` (default) is
+            half of the available memory divided by ``LOCAL_WORLD_SIZE``.
+        double_buffering: reuse reload buffers between groups of equal tensor signature
+            during one backward. Default ``False`` (see README, "Double buffering").
+        tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps the tensor on the
+            device (reason ``filtered``). Default ``None`` (no filter).
+        timing: record CUDA-event timings of copies and stalls in the stats.
+            Default ``False``.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field has a value outside its accepted range.
+
+    Example:
+        >>> cfg = OffloadConfig(offload_layers=2, min_tensor_bytes=1 << 20)
+        >>> cfg.offload_layers
+        2
+    """
+
+    offload_layers: LayerSelection = None
+    min_tensor_bytes: int = 256 * 1024
+    prefetch_layers: int | None = None
+    pin_memory: bool = True
+    host_memory_limit: int | None = None
+    double_buffering: bool = False
+    tensor_filter: Callable[[torch.Tensor], bool] | None = None
+    timing: bool = False
+
+    def __post_init__(self) -> None:
+        sel = self.offload_layers
+        if sel is not None and not callable(sel):
+            if isinstance(sel, bool):
+                raise TypeError(
+                    f"offload_layers must be None, an int, a sequence of ints or a "
+                    f"callable(index, module) -> bool; got bool {sel!r}"
+                )
+            if isinstance(sel, int):
+                if sel < 0:
+                    raise ValueError(
+                        f"offload_layers={sel}: an int selects the first n layers and must "
+                        f"be >= 0"
+                    )
+            elif isinstance(sel, Sequence) and not isinstance(sel, (str, bytes)):
+                indices = tuple(sel)
+                for i in indices:
+                    if isinstance(i, bool) or not isinstance(i, int):
+                        raise TypeError(
+                            f"offload_layers must hold ints (layer indices); got "
+                            f"{_type_name(i)} {i!r} in {sel!r}"
+                        )
+                    if i < 0:
+                        raise ValueError(
+                            f"offload_layers={list(indices)}: indices must be >= 0, got {i}"
+                        )
+                if len(set(indices)) != len(indices):
+                    raise ValueError(f"offload_layers={list(indices)} repeats an index")
+                object.__setattr__(self, "offload_layers", tuple(sorted(indices)))
+            else:
+                raise TypeError(
+                    f"offload_layers must be None, an int, a sequence of ints or a "
+                    f"callable(index, module) -> bool; got {_type_name(sel)} {sel!r}"
+                )
+        _check_int("min_tensor_bytes", self.min_tensor_bytes, minimum=0)
+        if self.prefetch_layers is not None:
+            _check_int("prefetch_layers", self.prefetch_layers, minimum=1)
+        if self.host_memory_limit is not None:
+            _check_int("host_memory_limit", self.host_memory_limit, minimum=0)
+        for name in ("pin_memory", "double_buffering", "timing"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {_type_name(value)} {value!r}")
+        if self.tensor_filter is not None and not callable(self.tensor_filter):
+            raise TypeError(
+                f"tensor_filter must be None or a callable(tensor) -> bool; got "
+                f"{_type_name(self.tensor_filter)} {self.tensor_filter!r}"
+            )
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {_type_name(value)} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}={value}: must be >= {minimum}")

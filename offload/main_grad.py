@@ -1,0 +1,1 @@
+"""Helpers for ``main_grad`` buffers (DESIGN.md 4.9)."""

@@ -1,0 +1,138 @@
+"""What an offloaded forward did: :class:`OffloadStats` and its rich report."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["KEEP_REASONS", "LayerStats", "OffloadStats", "format_bytes"]
+
+#: Every reason a saved tensor stays on the device (DESIGN.md section 5).
+KEEP_REASONS: tuple[str, ...] = (
+    "small",
+    "parameter",
+    "not_selected",
+    "outside_layers",
+    "filtered",
+    "host_limit",
+    "opted_out",
+    "shared",
+    "device",
+    "unsupported",
+)
+
+
+def _reasons() -> dict[str, int]:
+    return dict.fromkeys(KEEP_REASONS, 0)
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # unreachable
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """One group (one layer call) of a forward.
+
+    Attributes:
+        index: position of the call in the forward (0-based).
+        offloaded: whether the group was selected for offloading.
+        bytes_offloaded: bytes this group sent to the host (each storage once).
+        bytes_kept: bytes saved in this group that stayed on the device, by reason.
+        d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
+            timings are recorded.
+    """
+
+    index: int
+    offloaded: bool
+    bytes_offloaded: int = 0
+    bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
+    d2h_seconds: float | None = None
+    h2d_seconds: float | None = None
+    stall_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """The most recent forward under an offloader, completed by its backward.
+
+    Attributes:
+        bytes_offloaded: bytes copied to the host, each storage span counted once.
+        bytes_kept: bytes of saved tensors that stayed on the device, for every reason
+            of :data:`KEEP_REASONS` (0 when unused).
+        bytes_by_dtype: offloaded bytes per dtype name (``"bfloat16"``, ``"float8_e4m3fn"``).
+        bytes_reloaded: bytes copied back to the device so far (grows during backward).
+        layers: one :class:`LayerStats` per group, in call order.
+        host_pool_bytes: host bytes handed out by the pool now.
+        host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
+        host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
+    """
+
+    bytes_offloaded: int = 0
+    bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
+    bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_reloaded: int = 0
+    layers: list[LayerStats] = dataclasses.field(default_factory=list)
+    host_pool_bytes: int = 0
+    host_pool_reserved_bytes: int = 0
+    host_pool_peak_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""
+        return dataclasses.asdict(self)
+
+    def table(self) -> Any:
+        """A :class:`rich.table.Table` with one row per layer and a total row."""
+        from rich.table import Table
+
+        table = Table(title="offload: saved tensors of the last forward")
+        table.add_column("layer", justify="right")
+        table.add_column("offloaded", justify="center")
+        table.add_column("sent to host", justify="right")
+        table.add_column("kept on device", justify="right")
+        table.add_column("largest keep reason")
+        for layer in self.layers:
+            kept = sum(layer.bytes_kept.values())
+            reason = max(layer.bytes_kept, key=layer.bytes_kept.__getitem__) if kept else "-"
+            table.add_row(
+                str(layer.index),
+                "yes" if layer.offloaded else "no",
+                format_bytes(layer.bytes_offloaded),
+                format_bytes(kept),
+                reason,
+            )
+        kept_total = sum(self.bytes_kept.values())
+        table.add_row(
+            "all", "", format_bytes(self.bytes_offloaded), format_bytes(kept_total), "",
+            end_section=True,
+        )
+        return table
+
+    def summary(self) -> str:
+        """One line: sent, kept by reason (non-zero only), host pool."""
+        kept = ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in self.bytes_kept.items() if v
+        )
+        return (
+            f"offloaded {format_bytes(self.bytes_offloaded)} in "
+            f"{sum(1 for la in self.layers if la.bytes_offloaded)} of {len(self.layers)} "
+            f"layers; kept {kept or 'nothing'}; host pool {format_bytes(self.host_pool_bytes)} "
+            f"in use, {format_bytes(self.host_pool_reserved_bytes)} reserved"
+        )
+
+    def report(self, console: Any = None) -> None:
+        """Print the table and the summary with rich."""
+        from rich.console import Console
+
+        console = console or Console()
+        console.print(self.table())
+        console.print(self.summary())
