@@ -42,7 +42,7 @@ Backward (outside the context, possibly on autograd's device threads):
    event (4.1(c)) and rebuilds the tensor as a view of the reloaded span. A copy that
    was not reloaded (irregular graphs, manual schedules) is reloaded on demand here.
 6. *Drop.* A group gives up its reloaded buffers when the gradients of its inputs are
-   complete (``register_multi_grad_hook(mode="all")`` on the layer inputs), or when its
+   complete (a tensor hook on each layer input that requires grad), or when its
    last handle dies (autograd frees saved variables as nodes finish). A buffer whose
    reload event no stream has waited for is first waited for on the compute stream, so
    its block returns to the allocator only after the H2D that writes it (4.1(e)).
@@ -162,7 +162,7 @@ class _Copy:
 
     __slots__ = (
         "group", "start", "end", "version", "host", "refs", "buffer", "reload_event",
-        "stream", "waited", "holders", "poison",
+        "stream", "waited", "holders", "users", "poison",
     )
 
     def __init__(self, group: _Group, start: int, end: int, version: int, host: HostBlock):
@@ -176,7 +176,8 @@ class _Copy:
         self.reload_event: Any = None
         self.stream: Any = None
         self.waited = False
-        self.holders = 0  # groups holding the reloaded buffer
+        self.holders = 0  # groups that have not yet dropped the reloaded buffer
+        self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
 
 
@@ -186,6 +187,7 @@ class _Group:
     __slots__ = (
         "index", "module", "offload", "stream", "copies", "device_refs", "d2h_done",
         "released", "reloaded", "live", "stats", "state_storages", "closed",
+        "inputs_expected", "inputs_seen",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -202,6 +204,8 @@ class _Group:
         self.stats = LayerStats(index=index, offloaded=offload)
         self.state_storages: set[int] | None = None
         self.closed = False
+        self.inputs_expected = 0
+        self.inputs_seen = 0
 
 
 class _Packed:
@@ -299,8 +303,7 @@ class Runtime:
         with self.lock:
             self.drain()
             if self._pool is not None:
-                self._pool.close()
-                self._pool = None
+                self._pool.close()  # the pool can grow again if the offloader is reused
 
 
 # --------------------------------------------------------------------------------------
@@ -318,7 +321,7 @@ class Step:
         self.groups: list[_Group] = []
         self.open: _Group | None = None
         self.depth = 0  # nested calls of registered layers inside an open group
-        self.pending: list[_Packed] = []
+        self.pending: list[tuple[_Packed, torch.Tensor]] = []
         self.forward_done = False
         self.aborted = False
         self.storages: dict[StorageWeakRef, list[_Copy]] = {}
@@ -349,16 +352,16 @@ class Step:
                 if j < index:
                     self._release(self.groups[j])
             pending, self.pending = self.pending, []
-            for handle in pending:
-                self._place(handle, handle.tensor, group)  # type: ignore[arg-type]
+            for handle, t in pending:
+                self._place(handle, t, group)
         if offload and inputs is not None:
             tensors = _tensors_in(inputs, [])
-            if tensors:
-                self.hooks.append(
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, functools.partial(self._inputs_done, index), mode="all"
-                    )
-                )
+            group.inputs_expected = len(tensors)
+            # Plain tensor hooks, not register_multi_grad_hook(mode="all"): that one keeps
+            # the inputs' grad_fns in its closure, which the hook registered on those very
+            # nodes turns into a reference cycle that keeps the whole graph alive.
+            for t in tensors:
+                self.hooks.append(t.register_hook(functools.partial(self._input_grad, index)))
 
     def close_group(self, outputs: Any = None) -> None:
         with self.rt.lock:
@@ -394,8 +397,8 @@ class Step:
             self.rt.drain()
             self.open = None
             self.forward_done = True
-            for handle in self.pending:
-                self._keep(handle, "outside_layers", None, _span_bytes(handle.tensor))
+            for handle, t in self.pending:
+                self._keep(handle, "outside_layers", None, _span_bytes(t))
             self.pending = []
             for group in self.groups:
                 if group.offload and not group.released:
@@ -453,11 +456,11 @@ class Step:
             self._keep(handle, "opted_out", self.open, _span_bytes(t))
         elif self.open is None:
             if self.groups and not self.forward_done:
-                self.pending.append(handle)  # decided when the next group opens
+                self.pending.append((handle, t))  # decided when the next group opens
             else:
                 self._keep(handle, "outside_layers", None, _span_bytes(t))
         else:
-            self._place(handle, handle.tensor, self.open)  # type: ignore[arg-type]
+            self._place(handle, t, self.open)
         return handle
 
     def _keep(self, handle: _Packed, reason: str, group: _Group | None, nbytes: int) -> None:
@@ -511,14 +514,16 @@ class Step:
                 return self._keep(handle, "host_limit", group, nbytes)
             copy = _Copy(group, start, end, handle.version, block)
             self.backend.d2h(_packing.as_bytes(t, start, end), block.tensor, self.rt.pool.h2d_fence)  # type: ignore[union-attr]
-            group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]
+            group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]  # t.detach()
             self.storages.setdefault(key, []).append(copy)
             group.stats.bytes_offloaded += nbytes
             self.stats.bytes_offloaded += nbytes
             name = _dtype_name(t.dtype)
             self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + nbytes
             self.stats.host_pool_peak_bytes = self.rt.pool.peak_bytes
-        group.copies[id(copy)] = copy
+        if id(copy) not in group.copies:
+            group.copies[id(copy)] = copy
+            copy.users += 1
         copy.refs += 1
         group.live += 1
         handle.group = group
@@ -564,10 +569,15 @@ class Step:
                 if j < len(self.groups):
                     self._reload(self.groups[j])
 
-    def _inputs_done(self, index: int, _grads: Any) -> None:
+    def _input_grad(self, index: int, _grad: Any) -> None:
+        """A gradient of a layer input is complete; after all of them, drop the group."""
         with self.rt.lock:
             self.rt.drain()
-            self._drop(self.groups[index])
+            group = self.groups[index]
+            group.inputs_seen += 1
+            if group.inputs_seen >= group.inputs_expected:
+                group.inputs_seen = 0
+                self._drop(group)
 
     def _reload(self, group: _Group) -> None:
         """Start the H2D copies of a group's spans (Note [release order], 4; lock held)."""
@@ -591,13 +601,11 @@ class Step:
                 copy.reload_event = event
                 copy.stream = stream
                 copy.waited = False
+                copy.holders = copy.users  # kept until every user group is done
                 self.stats.bytes_reloaded += copy.end - copy.start
             if event is not None:
                 self.rt.pool.h2d_fence = event
-        if not group.reloaded:
-            for copy in group.copies.values():
-                copy.holders += 1
-            group.reloaded = True
+        group.reloaded = True
 
     def unpack_offloaded(self, handle: _Packed) -> torch.Tensor:
         """Rebuild an offloaded tensor (Note [release order], 5)."""

@@ -1,0 +1,161 @@
+"""Small models shared by the tests: each block records a weak reference to the storage
+of one large activation it saves for backward, so tests can check that offloaded
+originals are really freed (Note [release order], 3)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, fused QKV, causal SDPA, out-proj, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, ffn: int = 128) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.norm2 = RMSNorm(dim)
+        self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+        self.probe: StorageWeakRef | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        h = F.silu(gate) * up  # saved by `down`
+        self.probe = StorageWeakRef(h.untyped_storage())
+        return x + self.down(h)
+
+
+class KwargsBlock(nn.Module):
+    """Takes keyword arguments and returns a tuple (HF style)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.probe: StorageWeakRef | None = None
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, scale: float = 1.0):
+        h = torch.tanh(self.fc1(x)) * mask
+        self.probe = StorageWeakRef(h.untyped_storage())
+        y = x + scale * self.fc2(h)
+        return y, {"aux": h.mean()}
+
+
+class InplaceBlock(nn.Module):
+    """Modifies its own output in place (residual added with ``+=``)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.probe: StorageWeakRef | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.fc1(x))
+        self.probe = StorageWeakRef(h.untyped_storage())
+        out = self.fc2(h)
+        out += x
+        return out
+
+
+def encoder_layers(n: int, dim: int = 32) -> nn.ModuleList:
+    return nn.ModuleList(
+        nn.TransformerEncoderLayer(dim, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        for _ in range(n)
+    )
+
+
+# ---- how each kind of stack is run -------------------------------------------------------
+
+
+def run_plain(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def run_kwargs(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    mask = (torch.arange(x.shape[-1] * 4) % 3 != 0).to(x.dtype)
+    aux = 0
+    for layer in layers:
+        x, extra = layer(x, mask=mask, scale=0.5)
+        aux = aux + extra["aux"]
+    return x + aux
+
+
+def run_inplace_outside(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+        x.mul_(0.5)  # in place on a layer output, after its backward trigger was set
+    return x
+
+
+def run_checkpointed(layers: Sequence[nn.Module], x: torch.Tensor, reentrant: bool = True) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in layers:  # HF pattern: checkpoint around the module's __call__
+        x = checkpoint(layer.__call__, x, use_reentrant=reentrant)
+    return x
+
+
+def step(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    runner: Callable[[Sequence[nn.Module], torch.Tensor], torch.Tensor],
+    offloader: Any = None,
+    *,
+    retain_graph: bool = False,
+    backwards: int = 1,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One forward (under ``offloader`` when given) and ``backwards`` backwards."""
+    for p in _params(layers):
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    with offloader if offloader is not None else contextlib.nullcontext():
+        loss = runner(layers, x).float().square().mean()
+    for i in range(backwards):
+        loss.backward(retain_graph=retain_graph or i < backwards - 1)
+    return loss.detach(), [p.grad.clone() for p in _params(layers)], x.grad.clone()
+
+
+def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for layer in layers for p in layer.parameters()]
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    """Loss, every parameter gradient and the input gradient are bitwise equal."""
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert len(a[1]) == len(b[1]) and len(a[1]) > 0
+    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
+        assert torch.equal(ga, gb), f"gradient {i} differs: max {(ga - gb).abs().max()}"
+    assert torch.equal(a[2], b[2])
+
+
+def twin(layers: nn.ModuleList) -> nn.ModuleList:
+    return copy.deepcopy(layers)
