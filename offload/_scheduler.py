@@ -329,6 +329,9 @@ class Step:
         self.device: torch.device | None = None
         self.backend: Backend | None = None
         self.hooks: list[Any] = []
+        #: double buffering: reload buffers of finished groups, by size, for later groups
+        self.spares: dict[int, list[torch.Tensor]] = {}
+        self.stats_double_buffer_reuses = 0
 
     # ---- forward: layer boundaries ----------------------------------------------------
 
@@ -588,7 +591,7 @@ class Step:
         pairs, waits, todo = [], [], []
         for copy in group.copies.values():
             if copy.buffer is None and copy.host is not None:
-                copy.buffer = backend.alloc(copy.end - copy.start, stream)  # type: ignore[union-attr]
+                copy.buffer = self._reload_buffer(copy.end - copy.start, stream)
                 pairs.append((copy.host.tensor, copy.buffer))
                 owner = copy.group
                 if owner.d2h_done is None and owner.device_refs:
@@ -606,6 +609,19 @@ class Step:
             if event is not None:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
+
+    def _reload_buffer(self, nbytes: int, stream: Any) -> torch.Tensor:
+        """A device buffer for a reload: a spare one of this size when double buffering
+        and nothing references it any more, else a fresh one from the compute stream's
+        pool. Reuse is safe in stream order: the H2D that refills it waits for the
+        compute stream, behind every kernel that read the previous contents."""
+        spares = self.spares.get(nbytes)
+        while spares:
+            buf = spares.pop()
+            if _storage_use_count(buf) <= 2:  # our tensor (+ the storage's Python wrapper)
+                self.stats_double_buffer_reuses += 1
+                return buf
+        return self.backend.alloc(nbytes, stream)  # type: ignore[union-attr]
 
     def unpack_offloaded(self, handle: _Packed) -> torch.Tensor:
         """Rebuild an offloaded tensor (Note [release order], 5)."""
@@ -637,12 +653,16 @@ class Step:
             copy.holders -= 1
             if copy.holders <= 0:
                 copy.holders = 0
-                self._drop_buffer(copy)
+                self._drop_buffer(copy, reuse=self.cfg.double_buffering)
+        if self.spares and group.index == min(self.plan.offloaded, default=0):
+            self.spares.clear()  # the backward of this forward is over: no more reloads
 
-    def _drop_buffer(self, copy: _Copy) -> None:
+    def _drop_buffer(self, copy: _Copy, reuse: bool = False) -> None:
         if copy.buffer is not None:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
+            if reuse:
+                self.spares.setdefault(copy.buffer.numel(), []).append(copy.buffer)
             copy.buffer = None
 
     # ---- handle death ----------------------------------------------------------------
@@ -685,6 +705,12 @@ def _span_bytes(t: torch.Tensor | None) -> int:
         return 0
     start, end = _packing.span(t)
     return end - start
+
+
+def _storage_use_count(t: torch.Tensor) -> int:
+    # No public API tells whether anything else still references a storage (an output
+    # that is a view of a reloaded tensor, a user reference); this private one does.
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _state_storages(module: torch.nn.Module | None) -> set[int]:

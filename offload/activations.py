@@ -82,8 +82,12 @@ class ActivationOffloader:
         host_memory_limit: bytes of host memory for offloaded tensors. ``None``
             (default): half of the available memory divided by ``LOCAL_WORLD_SIZE``.
             Past it, tensors stay on the device (reason ``host_limit``, one warning).
-        double_buffering: accepted for compatibility; see the README (default
-            ``False``).
+        double_buffering: during one backward, reuse the reload buffers of a finished
+            group for a later group with the same span sizes, when nothing references
+            them any more (else fresh buffers: never corrupt, only lose the reuse).
+            Spares are freed when the backward of the forward ends. Default ``False``:
+            PyTorch's caching allocator already recycles those blocks (README,
+            "Double buffering", has the measurement).
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps a tensor on the
             device (reason ``filtered``). Default ``None``.
         timing: record copy and stall times in the stats (``True`` is not implemented
@@ -390,7 +394,7 @@ def get_cpu_offload_context(
         model_layers: groups per forward. Default 1.
         offload_activations: offload saved activations. Default ``True``.
         offload_weights: must be ``False``; use :class:`offload.WeightOffloader`.
-        double_buffering: accepted for compatibility (see ``ActivationOffloader``).
+        double_buffering: as in :class:`ActivationOffloader`. Default ``False``.
 
     Raises:
         TypeError: an argument has the wrong type.

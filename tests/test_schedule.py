@@ -106,3 +106,55 @@ def test_prefetch_layers_same_gradients() -> None:
         got = models.step(layers, x, models.run_plain, off)
         assert_same(got, models.step(ref, x, models.run_plain))
         assert off.stats.bytes_reloaded == off.stats.bytes_offloaded > 0
+
+
+def test_double_buffering_reuses_buffers_and_stays_exact() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(6))
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, double_buffering=True, min_tensor_bytes=1024)
+    for _ in range(3):
+        x = torch.randn(2, 16, 64)
+        got = models.step(layers, x, models.run_plain, off, backwards=2)
+        assert_same(got, models.step(ref, x, models.run_plain, backwards=2))
+        assert off.stats.bytes_reloaded == 2 * off.stats.bytes_offloaded > 0
+        # equal-signature groups took over the buffers of groups whose backward ended
+        assert off._last.stats_double_buffer_reuses > 0
+        assert not off._last.spares  # freed when the backward ended
+
+
+def test_double_buffering_never_reuses_a_referenced_buffer() -> None:
+    """An output that is a view of a reloaded tensor keeps that buffer out of reuse."""
+    kept = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            kept.append(x[:1])  # a view of the reloaded buffer outlives the node
+            return g * 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return Keep.apply(torch.tanh(x) * self.w)
+
+    layers = nn.ModuleList(Block() for _ in range(4))
+    off = offload.ActivationOffloader(layers, double_buffering=True, min_tensor_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off:
+        y = x
+        for layer in layers:
+            y = layer(y)
+    y.sum().backward()
+    values = [k.clone() for k in kept]
+    assert len({k.untyped_storage().data_ptr() for k in kept}) == len(kept)
+    assert all(torch.equal(a, b) for a, b in zip(kept, values))
