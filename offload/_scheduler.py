@@ -162,7 +162,7 @@ class _Copy:
 
     __slots__ = (
         "group", "start", "end", "version", "host", "refs", "buffer", "reload_event",
-        "stream", "waited", "holders", "users", "poison",
+        "stream", "waited", "holders", "users", "poison", "key", "storage_nbytes",
     )
 
     def __init__(self, group: _Group, start: int, end: int, version: int, host: HostBlock):
@@ -179,6 +179,8 @@ class _Copy:
         self.holders = 0  # groups that have not yet dropped the reloaded buffer
         self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
+        self.key: StorageWeakRef | None = None
+        self.storage_nbytes = 0
 
 
 class _Group:
@@ -494,7 +496,8 @@ class Step:
         if nbytes < self.cfg.min_tensor_bytes:
             return self._keep(handle, "small", group, nbytes)
 
-        key = StorageWeakRef(t.untyped_storage())
+        storage = t.untyped_storage()
+        key = StorageWeakRef(storage)
         copies = self.storages.get(key)
         copy = None
         if copies is not None:
@@ -511,18 +514,27 @@ class Step:
         if copy is not None and copy.group is not group:
             self._keep(handle, "shared", group, nbytes)  # transferred once, by copy.group
         elif copy is None:
-            block = self.rt.pool.allocate(nbytes)
+            # A view whose span covers at least half of its storage (the chunks of a
+            # fused QKV or gate/up projection: each spans almost all of it) takes the
+            # whole storage, so its sibling views find their bytes already copied.
+            c_start, c_end = start, end
+            total = storage.nbytes()
+            if 2 * nbytes >= total:
+                c_start, c_end = 0, total
+            block = self.rt.pool.allocate(c_end - c_start)
             if block is None:
-                self._warn_host_limit(nbytes)
+                self._warn_host_limit(c_end - c_start)
                 return self._keep(handle, "host_limit", group, nbytes)
-            copy = _Copy(group, start, end, handle.version, block)
-            self.backend.d2h(_packing.as_bytes(t, start, end), block.tensor, self.rt.pool.h2d_fence)  # type: ignore[union-attr]
+            copy = _Copy(group, c_start, c_end, handle.version, block)
+            copy.key, copy.storage_nbytes = key, total
+            self.backend.d2h(_packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence)  # type: ignore[union-attr]
             group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]  # t.detach()
             self.storages.setdefault(key, []).append(copy)
-            group.stats.bytes_offloaded += nbytes
-            self.stats.bytes_offloaded += nbytes
+            sent = c_end - c_start
+            group.stats.bytes_offloaded += sent
+            self.stats.bytes_offloaded += sent
             name = _dtype_name(t.dtype)
-            self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + nbytes
+            self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + sent
             self.stats.host_pool_peak_bytes = self.rt.pool.peak_bytes
         if id(copy) not in group.copies:
             group.copies[id(copy)] = copy
@@ -558,10 +570,23 @@ class Step:
         if not group.device_refs:
             return
         self.backend.wait(group.stream, group.d2h_done)  # type: ignore[union-attr]
+        mine = set()
         for t, version, copy in group.device_refs:
             if t._version != version:
                 copy.poison = _inplace_message(t, version)
+            mine.add(copy.key)
+        del t  # the loop variable would keep the last tensor alive
         group.device_refs.clear()
+        # Storages whose last reference was ours are free now: that is the device memory
+        # this release gave back (a storage that another group or the caller still holds
+        # travelled for nothing, and is not counted).
+        freed = sum(
+            copies[0].storage_nbytes
+            for key in mine
+            if key.expired() and (copies := self.storages.get(key))
+        )
+        group.stats.bytes_released += freed
+        self.stats.bytes_released += freed
 
     # ---- backward --------------------------------------------------------------------
 

@@ -44,6 +44,8 @@ class LayerStats:
         index: position of the call in the forward (0-based).
         offloaded: whether the group was selected for offloading.
         bytes_offloaded: bytes this group sent to the host (each storage once).
+        bytes_released: device bytes freed when the group was released (storages whose
+            last reference was the offloader's; not part of DESIGN.md's contract).
         bytes_kept: bytes saved in this group that stayed on the device, by reason.
         d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
             timings are recorded.
@@ -53,6 +55,7 @@ class LayerStats:
     offloaded: bool
     bytes_offloaded: int = 0
     bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
+    bytes_released: int = 0
     d2h_seconds: float | None = None
     h2d_seconds: float | None = None
     stall_seconds: float | None = None
@@ -71,6 +74,10 @@ class OffloadStats:
             of :data:`KEEP_REASONS` (0 when unused).
         bytes_by_dtype: offloaded bytes per dtype name (``"bfloat16"``, ``"float8_e4m3fn"``).
         bytes_reloaded: bytes copied back to the device so far (grows during backward).
+        bytes_released: device bytes the releases freed: offloaded storages that nothing
+            else referenced (a layer output also saved by a layer that is not offloaded,
+            or an input the caller still holds, travels but frees nothing). The drop of
+            peak memory is measured against this number.
         layers: one :class:`LayerStats` per group, in call order.
         host_pool_bytes: host bytes handed out by the pool now.
         host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
@@ -81,6 +88,7 @@ class OffloadStats:
     bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
     bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_reloaded: int = 0
+    bytes_released: int = 0
     layers: list[LayerStats] = dataclasses.field(default_factory=list)
     host_pool_bytes: int = 0
     host_pool_reserved_bytes: int = 0
@@ -98,6 +106,7 @@ class OffloadStats:
         table.add_column("layer", justify="right")
         table.add_column("offloaded", justify="center")
         table.add_column("sent to host", justify="right")
+        table.add_column("freed on device", justify="right")
         table.add_column("kept on device", justify="right")
         table.add_column("largest keep reason")
         for layer in self.layers:
@@ -107,12 +116,18 @@ class OffloadStats:
                 str(layer.index),
                 "yes" if layer.offloaded else "no",
                 format_bytes(layer.bytes_offloaded),
+                format_bytes(layer.bytes_released),
                 format_bytes(kept),
                 reason,
             )
         kept_total = sum(self.bytes_kept.values())
         table.add_row(
-            "all", "", format_bytes(self.bytes_offloaded), format_bytes(kept_total), "",
+            "all",
+            "",
+            format_bytes(self.bytes_offloaded),
+            format_bytes(self.bytes_released),
+            format_bytes(kept_total),
+            "",
             end_section=True,
         )
         return table
@@ -123,7 +138,8 @@ class OffloadStats:
             f"{k} {format_bytes(v)}" for k, v in self.bytes_kept.items() if v
         )
         return (
-            f"offloaded {format_bytes(self.bytes_offloaded)} in "
+            f"offloaded {format_bytes(self.bytes_offloaded)} "
+            f"(freed {format_bytes(self.bytes_released)} on the device) in "
             f"{sum(1 for la in self.layers if la.bytes_offloaded)} of {len(self.layers)} "
             f"layers; kept {kept or 'nothing'}; host pool {format_bytes(self.host_pool_bytes)} "
             f"in use, {format_bytes(self.host_pool_reserved_bytes)} reserved"

@@ -47,7 +47,8 @@ class LlamaBlock(nn.Module):
         x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         h = F.silu(gate) * up  # saved by `down`
-        self.probe = StorageWeakRef(h.untyped_storage())
+        if not torch.compiler.is_compiling():
+            self.probe = StorageWeakRef(h.untyped_storage())
         return x + self.down(h)
 
 
@@ -101,7 +102,7 @@ def run_plain(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def run_kwargs(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    mask = (torch.arange(x.shape[-1] * 4) % 3 != 0).to(x.dtype)
+    mask = (torch.arange(x.shape[-1] * 4, device=x.device) % 3 != 0).to(x.dtype)
     aux = 0
     for layer in layers:
         x, extra = layer(x, mask=mask, scale=0.5)

@@ -417,3 +417,32 @@ def test_nested_entry_is_an_error() -> None:
     with off:
         with pytest.raises(RuntimeError, match="already entered"):
             off.__enter__()
+
+
+def test_chunks_of_one_projection_travel_once() -> None:
+    """q, k, v = proj(x).chunk(3): three views that each span almost the whole storage
+    are copied as one storage (4.5), and the release frees exactly what nothing else
+    holds."""
+
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 192, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.fc(x).chunk(3, dim=-1)
+            return q * k * v  # saves q and k, then q * k and v
+
+    layers = nn.ModuleList([Fused(), Fused()])
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+    n = 256
+    x = torch.randn(n, 64)
+    got = step(layers, x, models.run_plain, off)
+    assert_same(got, step(ref, x, models.run_plain))
+    g0 = off.stats.layers[0]
+    # x (saved by fc), the fc output once, q * k
+    assert g0.bytes_offloaded == n * 64 * 4 + n * 192 * 4 + n * 64 * 4
+    # x is still held by the caller: only the fc output and q * k are freed
+    assert g0.bytes_released == n * 192 * 4 + n * 64 * 4
+    assert off.stats.bytes_released == g0.bytes_released

@@ -58,7 +58,7 @@ def test_bf16_same_gradients(selection) -> None:
         for la in stats.layers:
             assert (la.bytes_offloaded > 0) == la.offloaded
         assert stats.bytes_reloaded == stats.bytes_offloaded
-        assert stats.bytes_by_dtype.get("bfloat16", 0) > 0
+        assert stats.bytes_by_dtype == ({"bfloat16": stats.bytes_offloaded} if stats.bytes_offloaded else {})
     off.close()
 
 
@@ -246,12 +246,13 @@ def test_peak_memory_drops_by_offloaded_bytes() -> None:
             _peak(layers, x, off)
         without = _peak(layers, x)
         with_ = _peak(layers, x, off)
-        sent = off.stats.bytes_offloaded
+        freed = off.stats.bytes_released
         saved = without - with_
-        # groups offloaded under this k are all off the device at the step's peak
-        # (the end of the forward); the saving must match the stats within 5 %
-        assert sent > 0
-        assert abs(saved - sent) <= 0.05 * sent, (k, saved, sent, without, with_)
+        # With k = 1 or 2 of 8, every offloaded group is off the device at the step's
+        # peak (the start of backward) and comes back only a few layers later: the peak
+        # drops by what the releases freed, within 5 %.
+        assert 0 < freed <= off.stats.bytes_offloaded
+        assert abs(saved - freed) <= 0.05 * freed, (k, saved, freed, without, with_)
         off.close()
 
 
