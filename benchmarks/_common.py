@@ -1,0 +1,210 @@
+"""Helpers shared by the benchmark scripts: timing, host-link bandwidth, copy times from
+the profiler, the environment record and JSON output.
+
+Scripts import this module as ``_common`` (their own folder is first on ``sys.path``
+when they run as ``python3 benchmarks/<script>.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+__all__ = [
+    "GIB",
+    "Timer",
+    "copy_times_from_profiler",
+    "environment",
+    "gbps",
+    "median",
+    "pinned_bandwidth",
+    "synchronize",
+    "write_json",
+]
+
+GIB = 1024**3
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (which must not be empty)."""
+    return float(statistics.median(values))
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Bytes over milliseconds as GB/s (10^9 bytes per second)."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device`` (every stream); no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Times spans of device work: CUDA events on a GPU, ``perf_counter`` on the CPU.
+
+    Usage: ``synchronize``; ``a = timer.mark()``; work; ``b = timer.mark()``;
+    ``synchronize``; ``timer.elapsed_ms(a, b)``. On a GPU the marks are events recorded
+    on the current stream, so the span is device time from the first queued kernel to the
+    last (the host must not run behind the device for this to equal the step time, which
+    the synchronisation before ``a`` guarantees at the start).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        """A point in time: a recorded ``torch.cuda.Event`` or ``perf_counter`` seconds."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two marks (the device must have passed ``end``)."""
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
+
+
+def pinned_bandwidth(
+    device: torch.device, sizes: Sequence[int] = (256 * 2**20, 2**30), repeats: int = 5
+) -> dict[str, dict[str, Any]]:
+    """Device -> pinned host and pinned host -> device copy bandwidth, one direction at
+    a time, on the current stream, timed with CUDA events.
+
+    Returns ``{"d2h": {label: {"bytes", "ms": [...], "gbps"}}, "h2d": {...}}`` where
+    ``label`` is ``"256 MiB"`` / ``"1 GiB"`` and ``gbps`` is the median (10^9 B/s).
+    """
+    timer = Timer(device)
+    result: dict[str, dict[str, Any]] = {"d2h": {}, "h2d": {}}
+    for size in sizes:
+        label = f"{size // 2**30} GiB" if size % 2**30 == 0 else f"{size // 2**20} MiB"
+        dev = torch.empty(size, dtype=torch.uint8, device=device)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        for direction, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            times = []
+            for _ in range(repeats):
+                synchronize(device)
+                start = timer.mark()
+                dst.copy_(src, non_blocking=True)
+                end = timer.mark()
+                synchronize(device)
+                times.append(timer.elapsed_ms(start, end))
+            result[direction][label] = {
+                "bytes": size,
+                "ms": times,
+                "gbps": gbps(size, median(times)),
+            }
+        del dev, host
+    torch.cuda.empty_cache()
+    return result
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``[start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """Run ``step`` once under ``torch.profiler`` and measure its host-link copies.
+
+    Sums the device intervals of the ``Memcpy DtoH ...`` and ``Memcpy HtoD ...`` events
+    (CUPTI records; overlapping copies of one direction counted once, as the union of
+    their intervals). Returns ``{"d2h_ms", "h2d_ms", "d2h_count", "h2d_count"}`` or
+    ``{"error": ...}`` when the profiler is unavailable or recorded no copies.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                synchronize(device)
+        spans: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": []}
+        for evt in prof.events():
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            for direction, prefix in (("d2h", "Memcpy DtoH"), ("h2d", "Memcpy HtoD")):
+                if evt.name.startswith(prefix):
+                    spans[direction].append((evt.time_range.start, evt.time_range.end))
+    except Exception as exc:  # a profiler without CUPTI, a kineto error: report, go on
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "d2h_ms": _union_us(spans["d2h"]) / 1e3,
+        "h2d_ms": _union_us(spans["h2d"]) / 1e3,
+        "d2h_count": len(spans["d2h"]),
+        "h2d_count": len(spans["h2d"]),
+    }
+
+
+def _git_commit() -> str | None:
+    """The checked-out commit of the repository this file lives in, if git knows it."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions, device and host facts for the JSON record."""
+    import offload
+
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "offload": offload.__version__,
+        "git_commit": _git_commit(),
+        "cpu_count": os.cpu_count(),
+        "host_memory_total_gib": psutil.virtual_memory().total / GIB,
+        "host_memory_available_gib": psutil.virtual_memory().available / GIB,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(
+            gpu=torch.cuda.get_device_name(device),
+            gpu_memory_gib=props.total_memory / GIB,
+            gpu_capability=f"{props.major}.{props.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
+    return env
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON, creating parent folders."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
