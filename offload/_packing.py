@@ -12,6 +12,8 @@ Pure functions, no state: the scheduler calls them from the pack and unpack hook
   ``weight.to(bf16)``; neither is an ``nn.Parameter`` but neither is an activation.
 * :func:`flatten` splits wrapper tensor subclasses (``__tensor_flatten__``) into plain
   inner tensors; :func:`unflatten` rebuilds them (DESIGN.md 4.8).
+* :func:`is_te_quantized` recognises TransformerEngine's quantized tensors, which are
+  split with their own ``prepare_for_saving`` / ``restore_from_saved`` protocol.
 """
 
 from __future__ import annotations
@@ -130,6 +132,16 @@ def is_parameter_derived(t: torch.Tensor, state_storages: set[int]) -> bool:
             return False
         fn = nexts[0][0]
     return False
+
+
+def is_te_quantized(t: torch.Tensor) -> bool:
+    """TransformerEngine's saving protocol (TE >= 2.0: ``QuantizedTensor`` and the
+    ``*TensorStorage`` / ``*TensorBase`` classes of Float8, MXFP8, blockwise and NVFP4):
+    ``prepare_for_saving() -> (tensors, obj)`` and ``obj.restore_from_saved(tensors)``."""
+    cls = type(t)
+    return callable(getattr(cls, "prepare_for_saving", None)) and callable(
+        getattr(cls, "restore_from_saved", None)
+    )
 
 
 def flatten(t: torch.Tensor) -> tuple[list[str], Any, list[torch.Tensor]] | None:

@@ -254,7 +254,22 @@ class _PackedSubclass:
         return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
 
 
-def unpack_hook(handle: _Packed | _PackedSubclass) -> torch.Tensor:
+class _PackedQuantized:
+    """A TransformerEngine quantized tensor: the object, emptied by
+    ``prepare_for_saving()``, and its data/scale tensors packed one by one."""
+
+    __slots__ = ("obj", "parts")
+
+    def __init__(self, obj: Any, parts: list[Any]) -> None:
+        self.obj, self.parts = obj, parts
+
+    def unpack(self) -> Any:
+        tensors = [None if p is None else p.unpack() for p in self.parts]
+        self.obj.restore_from_saved(tensors)  # fills the object in place
+        return self.obj
+
+
+def unpack_hook(handle: _Packed | _PackedSubclass | _PackedQuantized) -> torch.Tensor:
     """The unpack half of the saved-tensor hooks."""
     return handle.unpack()
 
@@ -447,18 +462,34 @@ class Step:
         with self.rt.lock:
             return self._pack(tensor)
 
-    def _pack(self, t: torch.Tensor) -> _Packed | _PackedSubclass:
-        if not _packing.is_plain(t):
+    def _pack(self, t: torch.Tensor) -> _Packed | _PackedSubclass | _PackedQuantized:
+        marked = (
+            opted_out()
+            or getattr(t, "_TE_do_not_offload", False)
+            or getattr(t, "_do_not_offload", False)
+        )
+        weight = isinstance(t, torch.nn.Parameter) or getattr(t, "is_weight", False)
+        if not marked and not weight and not _packing.is_plain(t):
+            if _packing.is_te_quantized(t):
+                # TransformerEngine >= 2.0 quantized tensor: prepare_for_saving() empties
+                # the object it is called on, so call it on a detached alias, never on
+                # the hook's input (4.8).
+                tensors, obj = t.detach().prepare_for_saving()
+                parts = [None if x is None else self._pack(x) for x in tensors]
+                return _PackedQuantized(obj, parts)
             flat = _packing.flatten(t)
             if flat is not None:
                 names, ctx, inner = flat
                 parts = [self._pack(x) for x in inner]
                 return _PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
         handle = _Packed(self, t.detach())
-        if not _packing.is_plain(t) or _packing.unsupported(t):
-            self._keep(handle, "unsupported", self.open, 0)
-        elif opted_out() or getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False):
+        if marked:
             self._keep(handle, "opted_out", self.open, _span_bytes(t))
+        elif weight:
+            reason = "parameter" if self.open is not None else "outside_layers"
+            self._keep(handle, reason, self.open, _span_bytes(t))
+        elif not _packing.is_plain(t) or _packing.unsupported(t):
+            self._keep(handle, "unsupported", self.open, 0)
         elif self.open is None:
             if self.groups and not self.forward_done:
                 self.pending.append((handle, t))  # decided when the next group opens
@@ -493,7 +524,7 @@ class Step:
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
             return self._keep(handle, "filtered", group, nbytes)
-        if nbytes < self.cfg.min_tensor_bytes:
+        if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
             return self._keep(handle, "small", group, nbytes)
 
         storage = t.untyped_storage()
@@ -742,9 +773,11 @@ def _state_storages(module: torch.nn.Module | None) -> set[int]:
     if module is None:
         return set()
     out = set()
-    for p in module.parameters():
-        out.add(p.untyped_storage().data_ptr())
-    for b in module.buffers():
-        out.add(b.untyped_storage().data_ptr())
+    for t in (*module.parameters(), *module.buffers()):
+        if not _packing.is_plain(t):  # DTensor (FSDP2 sharded, TP): its local shard
+            t = getattr(t, "_local_tensor", None)
+            if t is None:
+                continue
+        out.add(t.untyped_storage().data_ptr())
     out.discard(0)
     return out

@@ -4,7 +4,7 @@ originals are really freed (Note [release order], 3)."""
 
 from __future__ import annotations
 
-import contextlib
+import contextlib  # noqa: F401  (re-exported for tests)
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any
