@@ -329,6 +329,16 @@ def time_one_layer(bench: Bench) -> dict[str, Any]:
     }
 
 
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """Cumulative counters of PyTorch's CUDA caching allocator."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "requests": stats.get("allocation.all.allocated", 0),
+        "cuda_malloc": stats.get("segment.all.allocated", 0),
+        "retries": stats.get("num_alloc_retries", 0),
+    }
+
+
 def measure_row(bench: Bench, runner: Runner, steps: int, warmup: int) -> dict[str, Any]:
     """Warm-up, timed steps, one memory step and (CUDA) one profiled step of ``runner``."""
 
@@ -375,9 +385,14 @@ def measure_row(bench: Bench, runner: Runner, steps: int, warmup: int) -> dict[s
     x = bench.new_input()
     synchronize(bench.device)
     before = bench.allocated()
+    counts_before = allocator_counts(bench.device)
     bench.reset_peak()
     step(x)
     synchronize(bench.device)
+    counts_after = allocator_counts(bench.device)
+    # allocator calls of one step: requests served (from the cache or not), device
+    # segments created (cudaMalloc) and allocation retries (cache flushes)
+    row["allocator_step"] = {k: counts_after[k] - counts_before[k] for k in counts_after}
     row["memory_step"] = {
         "before_gib": before / GIB,
         "peak_gib": bench.peak() / GIB,
@@ -552,6 +567,13 @@ def _achieved(row: dict[str, Any], direction: str, pinned: float | None) -> str:
     return f"{rate:.1f}" + (f" ({rate / pinned:.0%})" if pinned else "")
 
 
+def _allocs(row: dict[str, Any]) -> str:
+    counts = row.get("allocator_step")
+    if not counts:
+        return "n/a"
+    return f"{counts['requests']} ({counts['cuda_malloc']} new)"
+
+
 def print_report(result: dict[str, Any]) -> None:
     """Print the header lines, the table and the notes with rich."""
     from rich.console import Console
@@ -603,6 +625,7 @@ def print_report(result: dict[str, Any]) -> None:
         "model ms",
         "act GiB",
         "peak GiB",
+        "allocs / step",
         "D2H / step",
         "H2D / step",
         "D2H GB/s (% pinned)",
@@ -618,6 +641,7 @@ def print_report(result: dict[str, Any]) -> None:
             _fmt(row.get("model_ms"), ".1f"),
             _fmt(row.get("activation_gib"), ".2f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
+            _allocs(row),
             format_bytes(d2h),
             format_bytes(h2d),
             _achieved(row, "d2h", pinned.get("d2h")),
@@ -627,7 +651,8 @@ def print_report(result: dict[str, Any]) -> None:
     console.print(
         f"step ms: median of {result['settings']['steps']} timed steps after "
         f"{result['settings']['warmup']} warm-up ({clock}); act GiB: peak allocated "
-        "during a step minus allocated before it (weights + grads + input); model ms: "
+        "during a step minus allocated before it (weights + grads + input); allocs / step: "
+        "caching-allocator requests of the memory step (cudaMalloc calls); model ms: "
         "DESIGN.md section 6 bound from F, B, S and pinned 1 GiB W, anchored on the "
         "measured no-offload step; GB/s: bytes / profiler copy time. Definitions: header "
         "of benchmarks/bench_activations.py."
