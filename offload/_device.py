@@ -47,7 +47,9 @@ class Backend:
         """A device byte buffer allocated in ``stream``'s pool."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[Any], stream: Any) -> Any:
+    def h2d(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[Any], stream: Any
+    ) -> Any:
         """Copy each host ``src`` into its device ``dst``; returns the reload event."""
         for src, dst in pairs:
             dst.copy_(src)

@@ -161,8 +161,21 @@ class _Copy:
     """One span of one device storage, copied to the host once per forward."""
 
     __slots__ = (
-        "group", "start", "end", "version", "host", "refs", "buffer", "reload_event",
-        "stream", "waited", "holders", "users", "poison", "key", "storage_nbytes",
+        "group",
+        "start",
+        "end",
+        "version",
+        "host",
+        "refs",
+        "buffer",
+        "reload_event",
+        "stream",
+        "waited",
+        "holders",
+        "users",
+        "poison",
+        "key",
+        "storage_nbytes",
     )
 
     def __init__(self, group: _Group, start: int, end: int, version: int, host: HostBlock):
@@ -187,9 +200,21 @@ class _Group:
     """One layer call of a forward."""
 
     __slots__ = (
-        "index", "module", "offload", "stream", "copies", "device_refs", "d2h_done",
-        "released", "reloaded", "live", "stats", "state_storages", "closed",
-        "inputs_expected", "inputs_seen",
+        "index",
+        "module",
+        "offload",
+        "stream",
+        "copies",
+        "device_refs",
+        "d2h_done",
+        "released",
+        "reloaded",
+        "live",
+        "stats",
+        "state_storages",
+        "closed",
+        "inputs_expected",
+        "inputs_seen",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -245,13 +270,27 @@ class _PackedSubclass:
 
     __slots__ = ("cls", "names", "ctx", "parts", "size", "stride")
 
-    def __init__(self, cls: type, names: list[str], ctx: Any, parts: list[Any], size: Any, stride: Any):
+    def __init__(
+        self, cls: type, names: list[str], ctx: Any, parts: list[Any], size: Any, stride: Any
+    ):
         self.cls, self.names, self.ctx, self.parts = cls, names, ctx, parts
         self.size, self.stride = size, stride
 
     def unpack(self) -> torch.Tensor:
         inner = [p.unpack() for p in self.parts]
         return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
+
+
+class _Raw:
+    """A non-tensor attribute of a flattened subclass, kept by reference."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unpack(self) -> Any:
+        return self.obj
 
 
 class _PackedQuantized:
@@ -480,7 +519,8 @@ class Step:
             flat = _packing.flatten(t)
             if flat is not None:
                 names, ctx, inner = flat
-                parts = [self._pack(x) for x in inner]
+                # inner entries that are not tensors (DTensor's mesh) are kept as they are
+                parts = [self._pack(x) if isinstance(x, torch.Tensor) else _Raw(x) for x in inner]
                 return _PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
         handle = _Packed(self, t.detach())
         if marked:
@@ -558,7 +598,9 @@ class Step:
                 return self._keep(handle, "host_limit", group, nbytes)
             copy = _Copy(group, c_start, c_end, handle.version, block)
             copy.key, copy.storage_nbytes = key, total
-            self.backend.d2h(_packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence)  # type: ignore[union-attr]
+            self.backend.d2h(
+                _packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence
+            )  # type: ignore[union-attr]
             group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]  # t.detach()
             self.storages.setdefault(key, []).append(copy)
             sent = c_end - c_start

@@ -150,8 +150,7 @@ class ActivationOffloader:
         if config is not None:
             if not isinstance(config, OffloadConfig):
                 raise TypeError(
-                    f"config must be an offload.OffloadConfig or None; got "
-                    f"{type(config).__name__}"
+                    f"config must be an offload.OffloadConfig or None; got {type(config).__name__}"
                 )
             if given:
                 raise TypeError(
@@ -174,17 +173,13 @@ class ActivationOffloader:
                 f"{type(layers).__name__}"
             )
         if not isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)):
-            raise TypeError(
-                f"layers must be a sequence of nn.Module; got {type(layers).__name__}"
-            )
+            raise TypeError(f"layers must be a sequence of nn.Module; got {type(layers).__name__}")
         layers = list(layers)
         if not layers:
             raise ValueError("layers is empty; pass the model's repeated blocks, in order")
         for i, layer in enumerate(layers):
             if not isinstance(layer, torch.nn.Module):
-                raise TypeError(
-                    f"layers[{i}] must be an nn.Module; got {type(layer).__name__}"
-                )
+                raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
         _check_selection(config.offload_layers, len(layers))
         self.config = config
         self._layers = layers
@@ -217,9 +212,7 @@ class ActivationOffloader:
             self._hooks.append(
                 module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
             )
-            self._hooks.append(
-                module.register_forward_hook(self._layer_end, with_kwargs=True)
-            )
+            self._hooks.append(module.register_forward_hook(self._layer_end, with_kwargs=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
         self._saved_hooks.__enter__()
         self._step = step

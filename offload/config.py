@@ -73,8 +73,7 @@ class OffloadConfig:
             if isinstance(sel, int):
                 if sel < 0:
                     raise ValueError(
-                        f"offload_layers={sel}: an int selects the first n layers and must "
-                        f"be >= 0"
+                        f"offload_layers={sel}: an int selects the first n layers and must be >= 0"
                     )
             elif isinstance(sel, Sequence) and not isinstance(sel, (str, bytes)):
                 indices = tuple(sel)

@@ -134,9 +134,7 @@ class OffloadStats:
 
     def summary(self) -> str:
         """One line: sent, kept by reason (non-zero only), host pool."""
-        kept = ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in self.bytes_kept.items() if v
-        )
+        kept = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.bytes_kept.items() if v)
         return (
             f"offloaded {format_bytes(self.bytes_offloaded)} "
             f"(freed {format_bytes(self.bytes_released)} on the device) in "

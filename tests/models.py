@@ -117,7 +117,9 @@ def run_inplace_outside(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.T
     return x
 
 
-def run_checkpointed(layers: Sequence[nn.Module], x: torch.Tensor, reentrant: bool = True) -> torch.Tensor:
+def run_checkpointed(
+    layers: Sequence[nn.Module], x: torch.Tensor, reentrant: bool = True
+) -> torch.Tensor:
     from torch.utils.checkpoint import checkpoint
 
     for layer in layers:  # HF pattern: checkpoint around the module's __call__

@@ -355,8 +355,16 @@ def test_stats_contract_and_json() -> None:
     stats = off.stats
     assert stats.bytes_offloaded > 0
     assert set(stats.bytes_kept) == {
-        "small", "parameter", "not_selected", "outside_layers", "filtered",
-        "host_limit", "opted_out", "shared", "device", "unsupported",
+        "small",
+        "parameter",
+        "not_selected",
+        "outside_layers",
+        "filtered",
+        "host_limit",
+        "opted_out",
+        "shared",
+        "device",
+        "unsupported",
     }
     for la in stats.layers:
         assert set(la.bytes_kept) == set(stats.bytes_kept)
@@ -367,8 +375,13 @@ def test_stats_contract_and_json() -> None:
     assert len(d["layers"]) == 4
     assert stats.bytes_by_dtype == {"float32": stats.bytes_offloaded}
     assert set(vars(stats)) >= {
-        "bytes_offloaded", "bytes_kept", "bytes_by_dtype", "layers",
-        "host_pool_bytes", "host_pool_reserved_bytes", "host_pool_peak_bytes",
+        "bytes_offloaded",
+        "bytes_kept",
+        "bytes_by_dtype",
+        "layers",
+        "host_pool_bytes",
+        "host_pool_reserved_bytes",
+        "host_pool_peak_bytes",
     }
 
 

@@ -35,7 +35,9 @@ def deterministic():
 
 def llama(n: int = 4, dim: int = 256, heads: int = 4, ffn: int = 512) -> nn.ModuleList:
     torch.manual_seed(0)
-    return nn.ModuleList(models.LlamaBlock(dim, heads, ffn) for _ in range(n)).to(DEV, torch.bfloat16)
+    return nn.ModuleList(models.LlamaBlock(dim, heads, ffn) for _ in range(n)).to(
+        DEV, torch.bfloat16
+    )
 
 
 def run(layers, x, off=None, runner=models.run_plain, **kw):
@@ -48,7 +50,7 @@ def test_bf16_same_gradients(selection) -> None:
     ref = twin(layers)
     sel = (lambda i, m: i != 1) if selection == "callable" else selection
     off = offload.ActivationOffloader(layers, offload_layers=sel, min_tensor_bytes=0)
-    for it in range(3):
+    for _it in range(3):
         x = torch.randn(2, 512, 256, device=DEV, dtype=torch.bfloat16)
         want = run(ref, x)
         assert_same(run(ref, x), want)  # control: the reference itself is deterministic
@@ -68,11 +70,23 @@ def test_bf16_same_gradients(selection) -> None:
 def test_other_blocks_same_gradients(kind) -> None:
     torch.manual_seed(0)
     if kind == "kwargs":
-        layers, runner, dim = nn.ModuleList(models.KwargsBlock(128) for _ in range(4)), models.run_kwargs, 128
+        layers, runner, dim = (
+            nn.ModuleList(models.KwargsBlock(128) for _ in range(4)),
+            models.run_kwargs,
+            128,
+        )
     elif kind == "inplace":
-        layers, runner, dim = nn.ModuleList(models.InplaceBlock(128) for _ in range(4)), models.run_inplace_outside, 128
+        layers, runner, dim = (
+            nn.ModuleList(models.InplaceBlock(128) for _ in range(4)),
+            models.run_inplace_outside,
+            128,
+        )
     elif kind == "checkpoint":
-        layers, runner, dim = nn.ModuleList(models.LlamaBlock(128) for _ in range(4)), models.run_checkpointed, 128
+        layers, runner, dim = (
+            nn.ModuleList(models.LlamaBlock(128) for _ in range(4)),
+            models.run_checkpointed,
+            128,
+        )
     else:
         layers, runner, dim = models.encoder_layers(4, 32), models.run_plain, 32
     layers = layers.to(DEV, torch.bfloat16)

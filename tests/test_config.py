@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from torch import nn
 
 import offload

@@ -15,7 +15,7 @@ def test_blocks_are_aligned_disjoint_and_merge_back() -> None:
     blocks = [pool.allocate(rng.randint(1, 1 << 20)) for _ in range(50)]
     assert all(b is not None for b in blocks)
     spans = sorted((id(b.slab), b.start, b.start + b.nbytes) for b in blocks)
-    for (s1, a1, e1), (s2, a2, _) in zip(spans, spans[1:]):
+    for (s1, _a1, e1), (s2, a2, _) in zip(spans, spans[1:]):
         assert s1 != s2 or e1 <= a2
     assert all(b.start % ALIGN == 0 for b in blocks)
     for b in blocks:  # bytes are really separate

@@ -69,7 +69,7 @@ def test_te_context_same_gradients_over_steps() -> None:
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
     ref = twin(layers)
     ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=4)
-    for it in range(3):
+    for _it in range(3):
         x = torch.randn(2, 1024, 64)  # the TE API keeps the default 256 KiB threshold
         got = _te_run(layers, x, ctx, sync)
         want = _te_run(ref, x)

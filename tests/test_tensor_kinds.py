@@ -34,7 +34,11 @@ class SaveAll(torch.autograd.Function):
             assert t.is_sparse or t.stride() == stride, (t.stride(), stride)
             if t.is_sparse:
                 t, want = t.to_dense(), want.to_dense()
-            a, b = (t.view(torch.uint8), want.view(torch.uint8)) if dtype.itemsize == 1 and dtype.is_floating_point else (t, want)
+            a, b = (
+                (t.view(torch.uint8), want.view(torch.uint8))
+                if dtype.itemsize == 1 and dtype.is_floating_point
+                else (t, want)
+            )
             assert torch.equal(a, b)
         ctx.checked = True
         return (g, *([None] * len(got)))
