@@ -248,8 +248,10 @@ class GroupedLinear(nn.Module):
                     "reading it would force a host sync. Pass "
                     f"{accepted} (call .tolist() once where a sync is acceptable)."
                 )
-            if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or (
-                m_splits.dtype == torch.bool
+            if (
+                m_splits.dtype.is_floating_point
+                or m_splits.dtype.is_complex
+                or (m_splits.dtype == torch.bool)
             ):
                 raise TypeError(
                     f"GroupedLinear.forward(m_splits=...) has dtype {m_splits.dtype}; "

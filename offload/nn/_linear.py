@@ -97,7 +97,8 @@ class Linear(nn.Linear):
     ``weight.main_grad`` (create it with ``offload.main_grad.attach``):
 
     - ``main_grad += dW`` (GEMM beta = 1), or ``main_grad = dW`` (beta = 0) when the weight
-      has ``overwrite_main_grad=True`` (the buffer is reused each micro-batch, no zeroing);
+      has ``overwrite_main_grad=True`` (the buffer is reused each micro-batch, no zeroing;
+      this assumes the weight is used once per backward, as in TransformerEngine);
     - the weight then gets no ``.grad``, unless it has the attribute
       ``grad_added_to_main_grad``: that is set to True and a zero gradient that allocates
       nothing full-size (an expanded 0-d tensor) is returned, so DDP-style hooks fire;
@@ -160,15 +161,12 @@ class Linear(nn.Linear):
 
     def _describe(self) -> str:
         return (
-            f"offload.nn.Linear(in_features={self.in_features}, "
-            f"out_features={self.out_features})"
+            f"offload.nn.Linear(in_features={self.in_features}, out_features={self.out_features})"
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if not (
-            self.fuse_wgrad_accumulation and torch.is_grad_enabled() and weight.requires_grad
-        ):
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and weight.requires_grad):
             return F.linear(input, weight, self.bias)
         fsdp_param = self._fsdp_wgrad.get("weight")
         if fsdp_param is None:

@@ -18,11 +18,12 @@ Which GEMM writes it (``gemm_wgrad_into``):
 - same dtype for the operands and the buffer (fp32 weights, fp32 ``main_grad``):
   ``buffer.addmm_(dY^T, X, beta=beta)``, fused on every device;
 - bf16/fp16 operands into an fp32 buffer on CUDA: ``torch.addmm(buffer, dY^T, X,
-  torch.float32, beta=beta, out=buffer)`` (the ``addmm.dtype_out`` overload). It exists
-  in torch >= 2.8, but before it accepted an fp32 ``self`` with bf16 matrices (2.11 does
-  not, see ``_fp32_out_gemm_mode``), so it is probed once per device and dtype; when it
-  refuses, ``torch.baddbmm(..., out_dtype)`` on unsqueezed views does the same job (one
-  cuBLAS call with beta, fp32 output); only if both are refused do we fall back.
+  torch.float32, beta=beta, out=buffer)`` (the ``addmm.dtype_out`` overload, one cuBLAS
+  GEMM with fp32 output and beta; checked on torch 2.11 + H200, where it is what runs).
+  The overload is documented as CUDA-only, and some torch versions' kernel required
+  ``self`` in the operands' dtype, so it is probed once per device and dtype (see
+  ``_fp32_out_gemm_mode``); if it is refused, ``torch.baddbmm(..., out_dtype)`` on
+  unsqueezed views does the same job; only if both are refused do we fall back.
 - fallback (CPU, where the ``out_dtype`` overloads have no kernel, and any device that
   refuses both): dW is computed in the operands' dtype (exactly what ``nn.Linear``'s
   ``.grad`` would be) and added into / copied to the buffer. This materialises one
