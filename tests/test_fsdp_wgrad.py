@@ -262,6 +262,14 @@ def test_fsdp_fused_wgrad_one_gpu(tmp_path):
     _check(_launch(tmp_path, 1, "cuda"), 1)
 
 
+@pytest.mark.cuda
+@pytest.mark.distributed
+def test_fsdp_fused_wgrad_two_gpus(tmp_path):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (FSDP2 with nccl, world size 2)")
+    _check(_launch(tmp_path, 2, "cuda"), 2)
+
+
 def test_use_fused_wgrad_errors():
     from offload.integrations.fsdp import use_fused_wgrad
 
