@@ -780,7 +780,7 @@ class Step:
     def _retire(self, copy: _Copy, group: _Group | None) -> None:
         copy.refs -= 1
         if copy.refs == 0:
-            self._drop_buffer(copy)
+            self._drop_buffer(copy, reuse=self.cfg.double_buffering and not self.aborted)
             if copy.host is not None:
                 self.rt.pool.free(copy.host)
                 copy.host = None

@@ -154,7 +154,7 @@ class Tiny(nn.Module):
         return x + self.w * torch.sigmoid(x) * torch.tanh(x)
 
 
-@pytest.mark.parametrize("kind", ["sleepy", "tiny"])
+@pytest.mark.parametrize("kind", ["sleepy", "tiny", "tiny-double-buffering"])
 def test_race_stress_50_steps(kind) -> None:
     torch.manual_seed(0)
     if kind == "sleepy":
@@ -164,7 +164,12 @@ def test_race_stress_50_steps(kind) -> None:
         layers = nn.ModuleList(Tiny() for _ in range(12)).to(DEV)
         shape = (64, 64, 64)  # 1 MiB per saved tensor, microseconds of compute
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=1024, offload_layers=len(layers) - 1)
+    off = offload.ActivationOffloader(
+        layers,
+        min_tensor_bytes=1024,
+        offload_layers=len(layers) - 1,
+        double_buffering=kind.endswith("double-buffering"),
+    )
     for _ in range(50):
         x = torch.randn(*shape, device=DEV)
         got = run(layers, x, off)

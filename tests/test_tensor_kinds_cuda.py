@@ -71,10 +71,12 @@ def test_fp8_activation_cache_offloads_one_byte_per_element() -> None:
 
 
 def test_autocast_ref8l_sends_only_activations() -> None:
-    """ref-8L shapes, fp32 weights, bf16 autocast: F.linear saves weight.to(bf16).t();
+    """ref-8L layer shapes, fp32 weights, bf16 autocast: F.linear saves weight.to(bf16).t();
     nothing that travels may have a weight's shape, and the casts are kept as
     'parameter'."""
-    dim, heads, ffn, seq, n = 4096, 32, 14336, 4096, 8
+    # seq 2048, not ref-8L's 4096: with seq == hidden a flattened (seq, hidden) input
+    # has a weight's shape, and the shape check below could not tell them apart
+    dim, heads, ffn, seq, n = 4096, 32, 14336, 2048, 8
     torch.manual_seed(0)
     layers = nn.ModuleList(models.LlamaBlock(dim, heads, ffn) for _ in range(n)).cuda()
     weight_shapes = set()
