@@ -161,10 +161,11 @@ def use_fused_wgrad(model: nn.Module) -> list[nn.Module]:
         ...     fully_shard(block)
         >>> fully_shard(model)                             # doctest: +SKIP
         >>> offload.integrations.fsdp.use_fused_wgrad(model)  # doctest: +SKIP
-        >>> model.set_requires_gradient_sync(False)        # micro-batch 1: accumulate
-        >>> model(x1).sum().backward()                     # doctest: +SKIP
-        >>> model.set_requires_gradient_sync(True)         # micro-batch 2: reduce-scatter
-        >>> model(x2).sum().backward(); optimizer.step()   # doctest: +SKIP
+        >>> model.set_requires_gradient_sync(False)  # doctest: +SKIP
+        >>> model(x1).sum().backward()  # micro-batch 1 accumulates  # doctest: +SKIP
+        >>> model.set_requires_gradient_sync(True)  # doctest: +SKIP
+        >>> model(x2).sum().backward()  # micro-batch 2 reduce-scatters  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
