@@ -135,16 +135,30 @@ def step(
     *,
     retain_graph: bool = False,
     backwards: int = 1,
+    after_forward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """One forward (under ``offloader`` when given) and ``backwards`` backwards."""
+    """One forward (under ``offloader`` when given) and ``backwards`` backwards;
+    ``after_forward`` runs between them (the graph is alive, the context exited)."""
     for p in _params(layers):
         p.grad = None
     x = x.clone().requires_grad_(True)
     with offloader if offloader is not None else contextlib.nullcontext():
         loss = runner(layers, x).float().square().mean()
+    if after_forward is not None:
+        after_forward()
     for i in range(backwards):
         loss.backward(retain_graph=retain_graph or i < backwards - 1)
     return loss.detach(), [p.grad.clone() for p in _params(layers)], x.grad.clone()
+
+
+def check_released(layers: Sequence[nn.Module], selected: Sequence[int]) -> None:
+    """The probed activation of each selected layer is freed once the forward is over;
+    that of every other layer is still alive (saved on the device)."""
+    for i, layer in enumerate(layers):
+        probe = getattr(layer, "probe", None)
+        if probe is None:
+            continue
+        assert probe.expired() == (i in selected), (i, selected)
 
 
 def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
