@@ -23,7 +23,7 @@ from offload.profiling import OffloadStats
 
 __all__ = ["ActivationOffloader", "no_offload", "get_cpu_offload_context"]
 
-_UNSET: Any = object()
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 
 def _resolve_selection(selection: LayerSelection, num_groups: int) -> Callable[[int, Any], bool]:
@@ -123,39 +123,39 @@ class ActivationOffloader:
         self,
         layers: Sequence[torch.nn.Module],
         *,
-        offload_layers: LayerSelection = _UNSET,
-        min_tensor_bytes: int = _UNSET,
-        prefetch_layers: int | None = _UNSET,
-        pin_memory: bool = _UNSET,
-        host_memory_limit: int | None = _UNSET,
-        double_buffering: bool = _UNSET,
-        tensor_filter: Callable[[torch.Tensor], bool] | None = _UNSET,
-        timing: bool = _UNSET,
+        offload_layers: LayerSelection = None,
+        min_tensor_bytes: int = 256 * 1024,
+        prefetch_layers: int | None = None,
+        pin_memory: bool = True,
+        host_memory_limit: int | None = None,
+        double_buffering: bool = False,
+        tensor_filter: Callable[[torch.Tensor], bool] | None = None,
+        timing: bool = False,
         config: OffloadConfig | None = None,
     ) -> None:
         given = {
-            name: value
-            for name, value in (
-                ("offload_layers", offload_layers),
-                ("min_tensor_bytes", min_tensor_bytes),
-                ("prefetch_layers", prefetch_layers),
-                ("pin_memory", pin_memory),
-                ("host_memory_limit", host_memory_limit),
-                ("double_buffering", double_buffering),
-                ("tensor_filter", tensor_filter),
-                ("timing", timing),
-            )
-            if value is not _UNSET
+            "offload_layers": offload_layers,
+            "min_tensor_bytes": min_tensor_bytes,
+            "prefetch_layers": prefetch_layers,
+            "pin_memory": pin_memory,
+            "host_memory_limit": host_memory_limit,
+            "double_buffering": double_buffering,
+            "tensor_filter": tensor_filter,
+            "timing": timing,
         }
         if config is not None:
             if not isinstance(config, OffloadConfig):
                 raise TypeError(
                     f"config must be an offload.OffloadConfig or None; got {type(config).__name__}"
                 )
-            if given:
+            # A keyword left at its default cannot be told from one not given.
+            changed = sorted(
+                k for k, v in given.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k]
+            )
+            if changed:
                 raise TypeError(
                     f"pass either config= or keyword settings, not both (got config and "
-                    f"{sorted(given)}); use dataclasses.replace(config, ...) to combine"
+                    f"{changed}); use dataclasses.replace(config, ...) to combine"
                 )
         else:
             config = OffloadConfig(**given)
