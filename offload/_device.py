@@ -16,6 +16,7 @@ wait is where it is.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -23,8 +24,18 @@ import torch
 __all__ = ["Backend", "CudaBackend", "SyncBackend", "backend_for"]
 
 
+#: Where a backend appends timing records when asked: ``(kind, seconds)`` measured on
+#: the host (synchronous path) or ``(kind, start_event, end_event)`` on a device stream.
+#: ``kind`` is ``"d2h"``, ``"h2d"`` or ``"stall"`` (the compute stream waiting for a copy).
+Times = list[tuple[Any, ...]]
+
+
 class Backend:
-    """Interface shared by the synchronous and the CUDA backend."""
+    """Interface shared by the synchronous and the CUDA backend.
+
+    Every method that copies or waits takes ``times``: ``None`` (no timing, the default
+    and the hot path) or a list that receives one record per copy or wait.
+    """
 
     #: True when copies run beside the compute stream and need events.
     is_async: bool = False
@@ -35,9 +46,14 @@ class Backend:
     def current_stream(self) -> Any:
         return None
 
-    def d2h(self, src: torch.Tensor, dst: torch.Tensor, fence: Any) -> None:
+    def d2h(
+        self, src: torch.Tensor, dst: torch.Tensor, fence: Any, times: Times | None = None
+    ) -> None:
         """Copy device bytes ``src`` into host bytes ``dst`` after the producer's work."""
+        start = time.perf_counter() if times is not None else 0.0
         dst.copy_(src)
+        if times is not None:
+            times.append(("d2h", time.perf_counter() - start))
 
     def record_d2h(self) -> Any:
         """An event marking the end of every D2H copy issued so far."""
@@ -48,22 +64,34 @@ class Backend:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def h2d(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[Any], stream: Any
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        waits: list[Any],
+        stream: Any,
+        times: Times | None = None,
     ) -> Any:
         """Copy each host ``src`` into its device ``dst``; returns the reload event."""
+        start = time.perf_counter() if times is not None else 0.0
         for src, dst in pairs:
             dst.copy_(src)
+        if times is not None:
+            times.append(("h2d", time.perf_counter() - start))
         return None
 
-    def wait(self, stream: Any, event: Any) -> None:
+    def wait(self, stream: Any, event: Any, times: Times | None = None) -> None:
         """Make ``stream`` wait for ``event`` on the device (no host sync)."""
 
-    def wait_current(self, event: Any) -> None:
+    def wait_current(self, event: Any, times: Times | None = None) -> None:
         """Make the current stream wait for ``event``."""
 
 
 class SyncBackend(Backend):
-    """Every copy completes before the call returns; events are ``None``."""
+    """Every copy completes before the call returns; events are ``None``; nothing ever
+    waits, so no stall is recorded."""
+
+
+def _timed_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 class CudaBackend(Backend):
@@ -80,7 +108,9 @@ class CudaBackend(Backend):
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def d2h(self, src: torch.Tensor, dst: torch.Tensor, fence: Any) -> None:
+    def d2h(
+        self, src: torch.Tensor, dst: torch.Tensor, fence: Any, times: Times | None = None
+    ) -> None:
         # 4.1(a): the copy starts only after everything queued so far on the producing
         # (current) stream, which includes the kernel that wrote ``src``.
         self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -88,7 +118,14 @@ class CudaBackend(Backend):
             # 4.1(d): the host bytes may still be read by an earlier step's H2D.
             self.d2h_stream.wait_event(fence)
         with torch.cuda.stream(self.d2h_stream):
-            dst.copy_(src, non_blocking=True)
+            if times is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                start, end = _timed_event(), _timed_event()
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                times.append(("d2h", start, end))
 
     def record_d2h(self) -> torch.cuda.Event:
         return self.d2h_stream.record_event()
@@ -104,6 +141,7 @@ class CudaBackend(Backend):
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         waits: list[Any],
         stream: torch.cuda.Stream,
+        times: Times | None = None,
     ) -> torch.cuda.Event:
         # The buffers were just allocated on ``stream``; their blocks may have been freed
         # there by kernels still queued: write them only after those kernels (4.1(e)).
@@ -112,17 +150,33 @@ class CudaBackend(Backend):
             if event is not None:
                 self.h2d_stream.wait_event(event)
         with torch.cuda.stream(self.h2d_stream):
+            if times is not None:
+                start = _timed_event()
+                start.record()
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
+            if times is not None:
+                end = _timed_event()
+                end.record()
+                times.append(("h2d", start, end))
         return self.h2d_stream.record_event()
 
-    def wait(self, stream: torch.cuda.Stream, event: Any) -> None:
-        if event is not None:
+    def wait(self, stream: torch.cuda.Stream, event: Any, times: Times | None = None) -> None:
+        if event is None:
+            return
+        if times is None:
             stream.wait_event(event)
+            return
+        # Two events around the wait on the waiting stream: their distance is the time
+        # that stream stood still (0 when the copy was already done).
+        before, after = _timed_event(), _timed_event()
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        times.append(("stall", before, after))
 
-    def wait_current(self, event: Any) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def wait_current(self, event: Any, times: Times | None = None) -> None:
+        self.wait(torch.cuda.current_stream(self.device), event, times)
 
 
 def backend_for(device: torch.device) -> Backend:

@@ -215,6 +215,7 @@ class _Group:
         "closed",
         "inputs_expected",
         "inputs_seen",
+        "times",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -233,6 +234,7 @@ class _Group:
         self.closed = False
         self.inputs_expected = 0
         self.inputs_seen = 0
+        self.times: list[tuple[Any, ...]] | None = None  # timing records (timing=True)
 
 
 class _Packed:
@@ -404,6 +406,8 @@ class Step:
                 offload = bool(self.select(index, module))
             stream = self.backend.current_stream() if self.backend is not None else None
             group = _Group(index, module, offload, stream)
+            if self.cfg.timing:
+                group.times = []
             self.groups.append(group)
             self.stats.layers.append(group.stats)
             self.open = group
@@ -599,7 +603,10 @@ class Step:
             copy = _Copy(group, c_start, c_end, handle.version, block)
             copy.key, copy.storage_nbytes = key, total
             self.backend.d2h(
-                _packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence
+                _packing.as_bytes(t, c_start, c_end),
+                block.tensor,
+                self.rt.pool.h2d_fence,
+                group.times,
             )  # type: ignore[union-attr]
             group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]  # t.detach()
             self.storages.setdefault(key, []).append(copy)
@@ -642,7 +649,7 @@ class Step:
         group.released = True
         if not group.device_refs:
             return
-        self.backend.wait(group.stream, group.d2h_done)  # type: ignore[union-attr]
+        self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
         mine = set()
         for t, version, copy in group.device_refs:
             if t._version != version:
@@ -697,7 +704,7 @@ class Step:
                 waits.append(owner.d2h_done)
                 todo.append(copy)
         if pairs:
-            event = backend.h2d(pairs, waits, stream)  # type: ignore[union-attr]
+            event = backend.h2d(pairs, waits, stream, group.times)  # type: ignore[union-attr]
             for copy in todo:
                 copy.reload_event = event
                 copy.stream = stream
@@ -737,7 +744,7 @@ class Step:
             if copy.buffer is None:  # type: ignore[union-attr]
                 self._reload(handle.group)  # type: ignore[arg-type]  # on demand
             if not copy.waited:  # type: ignore[union-attr]
-                self.backend.wait_current(copy.reload_event)  # type: ignore[union-attr]
+                self.backend.wait_current(copy.reload_event, handle.group.times)  # type: ignore[union-attr]
                 copy.waited = True  # type: ignore[union-attr]
             buffer = copy.buffer  # type: ignore[union-attr]
         return _packing.rebuild(buffer, handle.dtype, handle.size, handle.stride, handle.offset)
@@ -789,6 +796,24 @@ class Step:
             if group.live == 0:
                 self._drop(group)
         self._refresh_pool_stats()
+
+    def resolve_timings(self) -> None:
+        """Fill the layers' ``d2h_seconds``/``h2d_seconds``/``stall_seconds`` from the
+        timing records (``timing=True``). Waits on the host for the recorded copies."""
+        with self.rt.lock:
+            records = [(g, list(g.times)) for g in self.groups if g.times is not None]
+        for group, times in records:
+            sums = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+            for record in times:
+                if len(record) == 2:  # measured on the host (synchronous path)
+                    sums[record[0]] += record[1]
+                else:
+                    kind, start, end = record
+                    end.synchronize()
+                    sums[kind] += start.elapsed_time(end) / 1e3
+            group.stats.d2h_seconds = sums["d2h"]
+            group.stats.h2d_seconds = sums["h2d"]
+            group.stats.stall_seconds = sums["stall"]
 
     def _refresh_pool_stats(self) -> None:
         pool = self.rt._pool

@@ -40,8 +40,9 @@ class OffloadConfig:
             during one backward. Default ``False`` (see README, "Double buffering").
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps the tensor on the
             device (reason ``filtered``). Default ``None`` (no filter).
-        timing: record CUDA-event timings of copies and stalls in the stats.
-            Default ``False``.
+        timing: record the time of every copy (CUDA events; host clock on the
+            synchronous path) and of every wait of the compute stream for a copy, per
+            layer, in the stats. Default ``False``.
 
     Raises:
         TypeError: a field has the wrong type.

@@ -295,3 +295,28 @@ def test_200_steps_no_growth() -> None:
             pool.append((off.stats.host_pool_bytes, off.stats.host_pool_reserved_bytes))
     assert max(allocated) == min(allocated)
     assert len(set(pool)) == 1 and pool[0][0] == 0
+
+
+def test_timing_measures_copies_at_link_speed() -> None:
+    layers = llama(n=4, dim=1024, heads=8, ffn=2816)
+    off = offload.ActivationOffloader(layers, timing=True)
+    x = torch.randn(2, 2048, 1024, device=DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        run(layers, x, off)
+    for la in off.stats.layers:
+        if not la.offloaded:
+            assert la.d2h_seconds == la.h2d_seconds == 0.0
+            continue
+        d2h = la.bytes_offloaded / la.d2h_seconds / 1e9
+        h2d = la.bytes_offloaded / la.h2d_seconds / 1e9
+        # pinned copies on a PCIe or NVLink-C2C host link: between 5 and 1000 GB/s
+        assert 5 < d2h < 1000 and 5 < h2d < 1000, (la.index, d2h, h2d)
+        assert la.stall_seconds >= 0.0
+    print(
+        "timing (GB/s):",
+        [
+            round(la.bytes_offloaded / la.d2h_seconds / 1e9, 1)
+            for la in off.stats.layers
+            if la.offloaded
+        ],
+    )

@@ -74,11 +74,6 @@ def test_config_is_frozen_and_normalised() -> None:
     assert offload.OffloadConfig().double_buffering is False
 
 
-def test_timing_is_not_implemented_yet() -> None:
-    with pytest.raises(NotImplementedError, match="timing"):
-        offload.ActivationOffloader(layers(), timing=True)
-
-
 def test_import_does_not_initialise_cuda() -> None:
     code = (
         "import torch, offload\n"
