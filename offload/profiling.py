@@ -109,9 +109,21 @@ class OffloadStats:
         table.add_column("freed on device", justify="right")
         table.add_column("kept on device", justify="right")
         table.add_column("largest keep reason")
+        timed = any(layer.d2h_seconds is not None for layer in self.layers)
+        if timed:
+            for name in ("D2H ms", "H2D ms", "stall ms"):
+                table.add_column(name, justify="right")
         for layer in self.layers:
             kept = sum(layer.bytes_kept.values())
             reason = max(layer.bytes_kept, key=layer.bytes_kept.__getitem__) if kept else "-"
+            times = (
+                [
+                    "-" if t is None else f"{t * 1e3:.2f}"
+                    for t in (layer.d2h_seconds, layer.h2d_seconds, layer.stall_seconds)
+                ]
+                if timed
+                else []
+            )
             table.add_row(
                 str(layer.index),
                 "yes" if layer.offloaded else "no",
@@ -119,6 +131,7 @@ class OffloadStats:
                 format_bytes(layer.bytes_released),
                 format_bytes(kept),
                 reason,
+                *times,
             )
         kept_total = sum(self.bytes_kept.values())
         table.add_row(
@@ -128,6 +141,7 @@ class OffloadStats:
             format_bytes(self.bytes_released),
             format_bytes(kept_total),
             "",
+            *([""] * 3 if timed else []),
             end_section=True,
         )
         return table

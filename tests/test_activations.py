@@ -487,3 +487,11 @@ def test_timing_fills_the_layer_times() -> None:
         # copies were timed exactly where something was copied
         assert (la.d2h_seconds > 0) == la.offloaded == (la.h2d_seconds > 0)
     assert json.loads(json.dumps(off.stats.to_dict()))["layers"][0]["d2h_seconds"] > 0
+
+
+def test_report_shows_times_when_timed(capsys) -> None:
+    layers, x, runner = make("llama", n=2)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0, timing=True)
+    step(layers, x, runner, off)
+    off.report()
+    assert "D2H ms" in capsys.readouterr().out
