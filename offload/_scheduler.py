@@ -460,15 +460,14 @@ class Step:
             self.rt.drain()
             self.open = None
             self.forward_done = True
-            for handle, t in self.pending:
-                self._keep(handle, "outside_layers", None, _span_bytes(t))
+            for _handle, t in self.pending:
+                self._keep("outside_layers", None, _span_bytes(t))
             self.pending = []
             for group in self.groups:
                 if group.offload and not group.released:
                     if not group.closed and group.device_refs and self.backend is not None:
                         group.d2h_done = self.backend.record_d2h()
                     self._release(group)
-            self._refresh_pool_stats()
 
     def abort(self) -> None:
         """The forward raised: free everything now (Note [release order], last part)."""
@@ -493,7 +492,6 @@ class Step:
                         copy.host = None
                     copy.buffer = None
             self.storages.clear()
-            self._refresh_pool_stats()
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
@@ -528,22 +526,23 @@ class Step:
                 return _PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
         handle = _Packed(self, t.detach())
         if marked:
-            self._keep(handle, "opted_out", self.open, _span_bytes(t))
+            self._keep("opted_out", self.open, _span_bytes(t))
         elif weight:
             reason = "parameter" if self.open is not None else "outside_layers"
-            self._keep(handle, reason, self.open, _span_bytes(t))
+            self._keep(reason, self.open, _span_bytes(t))
         elif not _packing.is_plain(t) or _packing.unsupported(t):
-            self._keep(handle, "unsupported", self.open, 0)
+            self._keep("unsupported", self.open, 0)
         elif self.open is None:
             if self.groups and not self.forward_done:
                 self.pending.append((handle, t))  # decided when the next group opens
             else:
-                self._keep(handle, "outside_layers", None, _span_bytes(t))
+                self._keep("outside_layers", None, _span_bytes(t))
         else:
             self._place(handle, t, self.open)
         return handle
 
-    def _keep(self, handle: _Packed, reason: str, group: _Group | None, nbytes: int) -> None:
+    def _keep(self, reason: str, group: _Group | None, nbytes: int) -> None:
+        """Count ``nbytes`` kept on the device for ``reason`` (the handle keeps them)."""
         self.stats.bytes_kept[reason] += nbytes
         if group is not None:
             group.stats.bytes_kept[reason] += nbytes
@@ -558,18 +557,18 @@ class Step:
             if group.stream is None:
                 group.stream = self.backend.current_stream()
         if t.device != self.device:
-            return self._keep(handle, "device", group, nbytes)
+            return self._keep("device", group, nbytes)
         if group.state_storages is None:
             group.state_storages = _state_storages(group.module)
         if _packing.is_parameter_derived(t, group.state_storages):
-            return self._keep(handle, "parameter", group, nbytes)
+            return self._keep("parameter", group, nbytes)
         if not group.offload:
-            return self._keep(handle, "not_selected", group, nbytes)
+            return self._keep("not_selected", group, nbytes)
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
-            return self._keep(handle, "filtered", group, nbytes)
+            return self._keep("filtered", group, nbytes)
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
-            return self._keep(handle, "small", group, nbytes)
+            return self._keep("small", group, nbytes)
 
         storage = t.untyped_storage()
         key = StorageWeakRef(storage)
@@ -587,7 +586,7 @@ class Step:
                     copy = c
                     break
         if copy is not None and copy.group is not group:
-            self._keep(handle, "shared", group, nbytes)  # transferred once, by copy.group
+            self._keep("shared", group, nbytes)  # transferred once, by copy.group
         elif copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
@@ -599,7 +598,7 @@ class Step:
             block = self.rt.pool.allocate(c_end - c_start)
             if block is None:
                 self._warn_host_limit(c_end - c_start)
-                return self._keep(handle, "host_limit", group, nbytes)
+                return self._keep("host_limit", group, nbytes)
             copy = _Copy(group, c_start, c_end, handle.version, block)
             copy.key, copy.storage_nbytes = key, total
             self.backend.d2h(
@@ -615,7 +614,6 @@ class Step:
             self.stats.bytes_offloaded += sent
             name = _dtype_name(t.dtype)
             self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + sent
-            self.stats.host_pool_peak_bytes = self.rt.pool.peak_bytes
         if id(copy) not in group.copies:
             group.copies[id(copy)] = copy
             copy.users += 1
@@ -795,9 +793,23 @@ class Step:
             group.live -= 1
             if group.live == 0:
                 self._drop(group)
-        self._refresh_pool_stats()
 
-    def resolve_timings(self) -> None:
+    def read_stats(self) -> OffloadStats:
+        """The stats, brought up to date: deaths queued by other threads are processed,
+        the pool figures refreshed and, with ``timing=True``, the copy times resolved
+        (which waits on the host for the recorded copies)."""
+        with self.rt.lock:
+            self.rt.drain()
+            pool = self.rt._pool
+            if pool is not None:
+                self.stats.host_pool_bytes = pool.in_use_bytes
+                self.stats.host_pool_reserved_bytes = pool.reserved_bytes
+                self.stats.host_pool_peak_bytes = pool.peak_bytes
+        if self.cfg.timing:
+            self._resolve_timings()
+        return self.stats
+
+    def _resolve_timings(self) -> None:
         """Fill the layers' ``d2h_seconds``/``h2d_seconds``/``stall_seconds`` from the
         timing records (``timing=True``). Waits on the host for the recorded copies."""
         with self.rt.lock:
@@ -815,17 +827,8 @@ class Step:
             group.stats.h2d_seconds = sums["h2d"]
             group.stats.stall_seconds = sums["stall"]
 
-    def _refresh_pool_stats(self) -> None:
-        pool = self.rt._pool
-        if pool is not None:
-            self.stats.host_pool_bytes = pool.in_use_bytes
-            self.stats.host_pool_reserved_bytes = pool.reserved_bytes
-            self.stats.host_pool_peak_bytes = pool.peak_bytes
 
-
-def _span_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
+def _span_bytes(t: torch.Tensor) -> int:
     start, end = _packing.span(t)
     return end - start
 

@@ -250,14 +250,7 @@ class ActivationOffloader:
         With ``timing=True`` reading it waits on the host for the recorded copies.
         """
         step = self._last
-        if step is None:
-            return OffloadStats()
-        with self._runtime.lock:
-            self._runtime.drain()
-            step._refresh_pool_stats()
-        if self.config.timing:
-            step.resolve_timings()
-        return step.stats
+        return OffloadStats() if step is None else step.read_stats()
 
     def report(self, console: Any = None) -> None:
         """Print :attr:`stats` as a table (rich)."""
@@ -359,7 +352,7 @@ class _ManualContext:
     @property
     def stats(self) -> OffloadStats:
         step = self.step
-        return OffloadStats() if step is None else step.stats
+        return OffloadStats() if step is None else step.read_stats()
 
 
 def _identity(x: Any) -> Any:
