@@ -35,8 +35,16 @@ def _check_module(fn: str, module: object) -> nn.Module:
     return module
 
 
-def _params_with_main_grad(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+def _params_with_main_grad(fn: str, module: object) -> list[nn.Parameter]:
+    """The parameters of ``module`` that have a ``main_grad``; at least one, else raise."""
+    _check_module(fn, module)
+    params = [p for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+    if not params:
+        raise ValueError(
+            f"offload.main_grad.{fn}: no parameter of {type(module).__name__} has a "
+            "main_grad; call offload.main_grad.attach(module) first"
+        )
+    return params
 
 
 def attach(
@@ -152,13 +160,7 @@ def zero_(module: nn.Module) -> None:
         >>> bool(layer.weight.main_grad.eq(0).all())
         True
     """
-    _check_module("zero_", module)
-    params = _params_with_main_grad(module)
-    if not params:
-        raise ValueError(
-            f"offload.main_grad.zero_: no parameter of {type(module).__name__} has a "
-            "main_grad; call offload.main_grad.attach(module) first"
-        )
+    params = _params_with_main_grad("zero_", module)
     zeroed: set[int] = set()
     for p in params:
         mg = p.main_grad
@@ -202,13 +204,7 @@ def to_grads(module: nn.Module) -> None:
         True
         >>> opt.step(); opt.zero_grad(); offload.main_grad.zero_(layer)
     """
-    _check_module("to_grads", module)
-    params = _params_with_main_grad(module)
-    if not params:
-        raise ValueError(
-            f"offload.main_grad.to_grads: no parameter of {type(module).__name__} has a "
-            "main_grad; call offload.main_grad.attach(module) first"
-        )
+    params = _params_with_main_grad("to_grads", module)
     with torch.no_grad():
         for p in params:
             mg = p.main_grad
