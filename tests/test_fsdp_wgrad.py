@@ -174,6 +174,9 @@ def _worker(args: argparse.Namespace) -> None:
         results = {c: _train_fsdp(c, args.rank, args.world, device) for c in CONFIGS}
         if args.rank == 0:
             torch.save(results, Path(args.out) / "results.pt")
+        # Without it, a rank that tears gloo down while its peer is still in a collective
+        # intermittently aborts ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
