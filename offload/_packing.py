@@ -111,7 +111,7 @@ def is_parameter_derived(t: torch.Tensor, state_storages: set[int]) -> bool:
         state_storages: ``data_ptr()`` of the untyped storages of the parameters and
             buffers of the layer being run.
     """
-    if isinstance(t, torch.nn.Parameter):
+    if issubclass(type(t), torch.nn.Parameter):  # not isinstance: its metaclass is slow
         return True
     if t.untyped_storage().data_ptr() in state_storages:
         return True
@@ -122,7 +122,7 @@ def is_parameter_derived(t: torch.Tensor, state_storages: set[int]) -> bool:
         name = type(fn).__name__
         if name == "AccumulateGrad":
             var = fn.variable
-            return isinstance(var, torch.nn.Parameter) or (
+            return issubclass(type(var), torch.nn.Parameter) or (
                 var.untyped_storage().data_ptr() in state_storages
             )
         if name not in _PASS_THROUGH_NODES:

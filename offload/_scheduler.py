@@ -59,22 +59,31 @@ the failed forward's graph can no longer be unpacked.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import threading
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _packing
+from offload import _packing, _placement, _timing
+from offload._buffers import ReloadBuffers
 from offload._device import Backend, backend_for
+from offload._handles import (
+    Kept,
+    Offloaded,
+    PackedQuantized,
+    PackedSubclass,
+    Pending,
+    Raw,
+    inplace_message,
+)
 from offload._host_pool import HostBlock, HostPool
-from offload.profiling import LayerStats, OffloadStats
+from offload._plan import Plan
+from offload._warn import warn_at_caller
+from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
-__all__ = ["Plan", "Runtime", "Step", "make_plan", "opted_out"]
+__all__ = ["Runtime", "Step", "opted_out"]
 
 _thread = threading.local()
 
@@ -90,6 +99,9 @@ def _enter_no_offload() -> None:
 
 def _exit_no_offload() -> None:
     _thread.no_offload -= 1
+
+
+_nbytes = _placement.kept_bytes
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,57 +123,25 @@ def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch
     return out
 
 
-# --------------------------------------------------------------------------------------
-# the plan of one forward
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Release and reload points of one forward (DESIGN.md section 3).
-
-    ``release_at[r]`` lists the groups released when layer ``r``'s forward starts (groups
-    whose release point is ``L`` are released when the forward ends);
-    ``reload_at[q]`` lists the groups reloaded when layer ``q``'s backward starts, in the
-    order they will be needed.
-    """
-
-    num_groups: int
-    offloaded: frozenset[int]
-    release_at: dict[int, tuple[int, ...]]
-    reload_at: dict[int, tuple[int, ...]]
-
-
-def make_plan(num_groups: int, offloaded: list[int], prefetch_layers: int | None) -> Plan:
-    """The schedule of Note [release order] for ``offloaded`` (sorted) out of ``num_groups``."""
-    L, k = num_groups, len(offloaded)
-    release: dict[int, list[int]] = collections.defaultdict(list)
-    reload: dict[int, list[int]] = collections.defaultdict(list)
-    for j, s in enumerate(offloaded):
-        r = max(s + 1, L - k + j)
-        if r < L:
-            release[r].append(s)
-        if prefetch_layers is None:
-            q = min(L - 1, max(s + 1, L - 1 - k + j))
-        else:
-            q = min(L - 1, s + prefetch_layers)
-        reload[q].append(s)
-    return Plan(
-        num_groups=L,
-        offloaded=frozenset(offloaded),
-        release_at={r: tuple(g) for r, g in release.items()},
-        reload_at={q: tuple(sorted(g, reverse=True)) for q, g in reload.items()},
-    )
+def _remove_all(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
 
 
 # --------------------------------------------------------------------------------------
-# copies, groups, handles
+# copies and groups
 
 
 class _Copy:
-    """One span of one device storage, copied to the host once per forward."""
+    """One span of one device storage, copied to the host once per forward.
+
+    ``owner`` is the index of the group whose D2H event covers the copy (an index, not
+    the group: a group lists its copies, and a back reference would be a cycle that
+    only the garbage collector frees, with the device buffers it holds)."""
 
     __slots__ = (
-        "group",
+        "owner",
         "start",
         "end",
         "version",
@@ -174,12 +154,12 @@ class _Copy:
         "holders",
         "users",
         "poison",
-        "key",
+        "ref",
         "storage_nbytes",
     )
 
-    def __init__(self, group: _Group, start: int, end: int, version: int, host: HostBlock):
-        self.group = group  # the group whose D2H event covers this copy
+    def __init__(self, owner: int, start: int, end: int, version: int, host: HostBlock):
+        self.owner = owner
         self.start = start
         self.end = end
         self.version = version
@@ -192,7 +172,7 @@ class _Copy:
         self.holders = 0  # groups that have not yet dropped the reloaded buffer
         self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
-        self.key: StorageWeakRef | None = None
+        self.ref: StorageWeakRef | None = None  # the device storage, while it lives
         self.storage_nbytes = 0
 
 
@@ -209,9 +189,10 @@ class _Group:
         "d2h_done",
         "released",
         "reloaded",
+        "dropped",
         "live",
         "stats",
-        "state_storages",
+        "state",
         "closed",
         "inputs_expected",
         "inputs_seen",
@@ -228,100 +209,14 @@ class _Group:
         self.d2h_done: Any = None
         self.released = False
         self.reloaded = False
+        self.dropped = False  # its backward ended at least once
         self.live = 0  # live handles pointing at copies
         self.stats = LayerStats(index=index, offloaded=offload)
-        self.state_storages: set[int] | None = None
+        self.state: _placement.LayerState | None = None
         self.closed = False
         self.inputs_expected = 0
         self.inputs_seen = 0
         self.times: list[tuple[Any, ...]] | None = None  # timing records (timing=True)
-
-
-class _Packed:
-    """What autograd keeps for one saved tensor: kept on the device, or a host copy.
-
-    ``tensor`` is set for a tensor kept on the device (and, until the next group opens,
-    for one saved between two groups); ``copy`` is set once the tensor is offloaded.
-    """
-
-    __slots__ = ("step", "group", "copy", "tensor", "version", "dtype", "size", "stride", "offset")
-
-    def __init__(self, step: Step, tensor: torch.Tensor) -> None:
-        self.step = step
-        self.group: _Group | None = None
-        self.copy: _Copy | None = None
-        self.tensor: torch.Tensor | None = tensor
-        self.version = tensor._version
-
-    def unpack(self) -> torch.Tensor:
-        """The saved tensor: the kept one, or the reloaded copy rebuilt as a view."""
-        t = self.tensor
-        if t is not None:
-            if t._version != self.version:
-                raise RuntimeError(_inplace_message(t, self.version))
-            return t
-        return self.step.unpack_offloaded(self)
-
-    def __del__(self) -> None:
-        if self.copy is not None:
-            self.step.handle_died(self.copy, self.group)
-
-
-class _PackedSubclass:
-    """A wrapper tensor subclass: its inner tensors are packed one by one."""
-
-    __slots__ = ("cls", "names", "ctx", "parts", "size", "stride")
-
-    def __init__(
-        self, cls: type, names: list[str], ctx: Any, parts: list[Any], size: Any, stride: Any
-    ):
-        self.cls, self.names, self.ctx, self.parts = cls, names, ctx, parts
-        self.size, self.stride = size, stride
-
-    def unpack(self) -> torch.Tensor:
-        inner = [p.unpack() for p in self.parts]
-        return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
-
-
-class _Raw:
-    """A non-tensor attribute of a flattened subclass, kept by reference."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def unpack(self) -> Any:
-        return self.obj
-
-
-class _PackedQuantized:
-    """A TransformerEngine quantized tensor: the object, emptied by
-    ``prepare_for_saving()``, and its data/scale tensors packed one by one."""
-
-    __slots__ = ("obj", "parts")
-
-    def __init__(self, obj: Any, parts: list[Any]) -> None:
-        self.obj, self.parts = obj, parts
-
-    def unpack(self) -> Any:
-        tensors = [None if p is None else p.unpack() for p in self.parts]
-        self.obj.restore_from_saved(tensors)  # fills the object in place
-        return self.obj
-
-
-def unpack_hook(handle: _Packed | _PackedSubclass | _PackedQuantized) -> torch.Tensor:
-    """The unpack half of the saved-tensor hooks."""
-    return handle.unpack()
-
-
-def _inplace_message(t: torch.Tensor, version: int) -> str:
-    return (
-        f"one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{t.dtype}{list(t.shape)}] is at version {t._version}; "
-        f"expected version {version} instead (detected by offload: the tensor was saved "
-        f"for backward and then changed in place)"
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -369,27 +264,41 @@ class Runtime:
 
 
 class Step:
-    """The groups, copies and stats of one forward, and the hooks that drive them."""
+    """The groups, copies and stats of one forward, and the hooks that drive them.
 
-    def __init__(self, runtime: Runtime, plan: Plan, select: Callable[[int, Any], bool]) -> None:
+    Lifetime: the offloader keeps the most recent Step (for its stats) and any Step whose
+    backward has not run yet; autograd's handles keep theirs. Nothing else does: every
+    hook a Step registers on a tensor is removed when its backward is over (or when the
+    next forward starts), and no object of a Step points back at one that points at it.
+    """
+
+    def __init__(self, runtime: Runtime, plan: Plan) -> None:
         self.rt = runtime
         self.cfg = runtime.config
         self.plan = plan
-        self.select = select
         self.groups: list[_Group] = []
         self.open: _Group | None = None
         self.depth = 0  # nested calls of registered layers inside an open group
-        self.pending: list[tuple[_Packed, torch.Tensor]] = []
+        self.pending: list[tuple[Pending, torch.Tensor]] = []
         self.forward_done = False
         self.aborted = False
-        self.storages: dict[StorageWeakRef, list[_Copy]] = {}
+        self.backward_done = False
+        self.storages: dict[int, list[_Copy]] = {}
         self.stats = OffloadStats()
+        self.outside = dict.fromkeys(KEEP_REASONS, 0)  # kept bytes saved outside groups
         self.device: torch.device | None = None
         self.backend: Backend | None = None
         self.hooks: list[Any] = []
-        #: double buffering: reload buffers of finished groups, by size, for later groups
-        self.spares: dict[int, list[torch.Tensor]] = {}
-        self.stats_double_buffer_reuses = 0
+        self.awaiting = 0  # groups with copies whose backward has not ended yet
+        self.buffers = ReloadBuffers(self.cfg.double_buffering)
+
+    @property
+    def stats_double_buffer_reuses(self) -> int:
+        return self.buffers.reuses
+
+    @property
+    def spares(self) -> dict[int, list[torch.Tensor]]:
+        return self.buffers.spares
 
     # ---- forward: layer boundaries ----------------------------------------------------
 
@@ -403,7 +312,7 @@ class Step:
             if index < self.plan.num_groups:
                 offload = index in self.plan.offloaded
             else:
-                offload = bool(self.select(index, module))
+                offload = bool(self.plan.select(index, module))
             stream = self.backend.current_stream() if self.backend is not None else None
             group = _Group(index, module, offload, stream)
             if self.cfg.timing:
@@ -416,15 +325,19 @@ class Step:
                     self._release(self.groups[j])
             pending, self.pending = self.pending, []
             for handle, t in pending:
-                self._place(handle, t, group)
+                if offload:
+                    handle.inner = self._place(t, group)
+                else:
+                    group.stats.bytes_kept["not_selected"] += _nbytes(t)
         if offload and inputs is not None:
             tensors = _tensors_in(inputs, [])
             group.inputs_expected = len(tensors)
             # Plain tensor hooks, not register_multi_grad_hook(mode="all"): that one keeps
             # the inputs' grad_fns in its closure, which the hook registered on those very
             # nodes turns into a reference cycle that keeps the whole graph alive.
+            hook = functools.partial(self._input_grad, index)
             for t in tensors:
-                self.hooks.append(t.register_hook(functools.partial(self._input_grad, index)))
+                self.hooks.append(t.register_hook(hook))
 
     def close_group(self, outputs: Any = None) -> None:
         with self.rt.lock:
@@ -455,19 +368,23 @@ class Step:
             )
 
     def finish_forward(self) -> None:
-        """The context exited normally: release what is left (Note [release order], 3)."""
+        """The forward ended normally: release what is left (Note [release order], 3)."""
         with self.rt.lock:
             self.rt.drain()
             self.open = None
             self.forward_done = True
             for _handle, t in self.pending:
-                self._keep("outside_layers", None, _span_bytes(t))
+                self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
             for group in self.groups:
                 if group.offload and not group.released:
                     if not group.closed and group.device_refs and self.backend is not None:
                         group.d2h_done = self.backend.record_d2h()
                     self._release(group)
+            self.awaiting = sum(1 for g in self.groups if g.copies)
+        if not self.awaiting:
+            self.backward_done = True  # nothing to reload: no hook is needed
+            self.remove_hooks()
 
     def abort(self) -> None:
         """The forward raised: free everything now (Note [release order], last part)."""
@@ -476,6 +393,7 @@ class Step:
             self.open = None
             self.forward_done = True
             self.aborted = True
+            self.backward_done = True
             self.pending = []
             if self.backend is not None and any(g.device_refs for g in self.groups):
                 done = self.backend.record_d2h()
@@ -492,102 +410,118 @@ class Step:
                         copy.host = None
                     copy.buffer = None
             self.storages.clear()
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
+            self.buffers.clear()
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this step registered on tensors (idempotent)."""
+        _remove_all(self.hooks)
+
+    @property
+    def finished(self) -> bool:
+        """Its backward ended, or its graph is gone: its hooks are of no more use."""
+        return self.backward_done or not any(g.live for g in self.groups)
 
     # ---- forward: packing ------------------------------------------------------------
 
-    def pack(self, tensor: torch.Tensor) -> _Packed | _PackedSubclass:
-        """The pack half of the saved-tensor hooks (Note [release order], 1)."""
-        with self.rt.lock:
-            return self._pack(tensor)
+    def pack(self, t: torch.Tensor) -> Any:
+        """The pack half of the saved-tensor hooks (Note [release order], 1).
 
-    def _pack(self, t: torch.Tensor) -> _Packed | _PackedSubclass | _PackedQuantized:
-        marked = (
-            opted_out()
-            or getattr(t, "_TE_do_not_offload", False)
-            or getattr(t, "_do_not_offload", False)
-        )
-        weight = isinstance(t, torch.nn.Parameter) or getattr(t, "is_weight", False)
-        if not marked and not weight and not _packing.is_plain(t):
+        Hot path: it runs for every saved tensor. Tensors saved outside any group or in
+        a group that is not offloaded are kept at once, without taking the lock (only
+        the forward's thread touches those counters).
+        """
+        group = self.open
+        if group is None:
+            if not self.groups or self.forward_done:
+                self.outside["outside_layers"] += _nbytes(t)
+                return Kept(t)
+        elif not group.offload:
+            group.stats.bytes_kept["not_selected"] += _nbytes(t)
+            return Kept(t)
+        with self.rt.lock:
+            return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        group = self.open
+        if opted_out() or _placement.marked(t):
+            return self._keep("opted_out", group, t)
+        if issubclass(type(t), torch.nn.Parameter) or t.__dict__.get("is_weight", False):
+            return self._keep("parameter" if group is not None else "outside_layers", group, t)
+        if not _packing.is_plain(t):
             if _packing.is_te_quantized(t):
                 # TransformerEngine >= 2.0 quantized tensor: prepare_for_saving() empties
                 # the object it is called on, so call it on a detached alias, never on
-                # the hook's input (4.8).
+                # the hook's input (the hook must not modify it).
                 tensors, obj = t.detach().prepare_for_saving()
                 parts = [None if x is None else self._pack(x) for x in tensors]
-                return _PackedQuantized(obj, parts)
+                return PackedQuantized(obj, parts)
             flat = _packing.flatten(t)
             if flat is not None:
                 names, ctx, inner = flat
                 # inner entries that are not tensors (DTensor's mesh) are kept as they are
-                parts = [self._pack(x) if isinstance(x, torch.Tensor) else _Raw(x) for x in inner]
-                return _PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
-        handle = _Packed(self, t.detach())
-        if marked:
-            self._keep("opted_out", self.open, _span_bytes(t))
-        elif weight:
-            reason = "parameter" if self.open is not None else "outside_layers"
-            self._keep(reason, self.open, _span_bytes(t))
-        elif not _packing.is_plain(t) or _packing.unsupported(t):
-            self._keep("unsupported", self.open, 0)
-        elif self.open is None:
+                parts = [self._pack(x) if isinstance(x, torch.Tensor) else Raw(x) for x in inner]
+                return PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
+            return self._keep("unsupported", group, t)
+        if _packing.unsupported(t):
+            return self._keep("unsupported", group, t)
+        if group is None:
             if self.groups and not self.forward_done:
+                handle = Pending(Kept(t))
                 self.pending.append((handle, t))  # decided when the next group opens
-            else:
-                self._keep("outside_layers", None, _span_bytes(t))
-        else:
-            self._place(handle, t, self.open)
-        return handle
+                return handle
+            return self._keep("outside_layers", None, t)
+        return self._place(t, group)
 
-    def _keep(self, reason: str, group: _Group | None, nbytes: int) -> None:
-        """Count ``nbytes`` kept on the device for ``reason`` (the handle keeps them)."""
-        self.stats.bytes_kept[reason] += nbytes
-        if group is not None:
-            group.stats.bytes_kept[reason] += nbytes
+    def _keep(self, reason: str, group: _Group | None, t: torch.Tensor) -> Kept:
+        """Keep ``t`` on the device, counted under ``reason``."""
+        kept = group.stats.bytes_kept if group is not None else self.outside
+        kept[reason] += _nbytes(t)
+        return Kept(t)
 
-    def _place(self, handle: _Packed, t: torch.Tensor, group: _Group) -> None:
+    def _place(self, t: torch.Tensor, group: _Group) -> Kept | Offloaded:
         """Keep ``t`` on the device with a reason, or start its copy to the host."""
-        start, end = _packing.span(t)
-        nbytes = end - start
         if self.device is None and t.device.type in ("cpu", "cuda"):
             self.device = t.device
             self.backend = self.rt.backend(t.device)
             if group.stream is None:
                 group.stream = self.backend.current_stream()
         if t.device != self.device:
-            return self._keep("device", group, nbytes)
-        if group.state_storages is None:
-            group.state_storages = _state_storages(group.module)
-        if _packing.is_parameter_derived(t, group.state_storages):
-            return self._keep("parameter", group, nbytes)
-        if not group.offload:
-            return self._keep("not_selected", group, nbytes)
+            return self._keep("device", group, t)
+        state = group.state
+        if state is None:
+            state = group.state = _placement.layer_state(group.module)
+        if _placement.parameter_like(t, state):
+            return self._keep("parameter", group, t)
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
-            return self._keep("filtered", group, nbytes)
+            return self._keep("filtered", group, t)
+        start, end = _packing.span(t)
+        nbytes = end - start
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
-            return self._keep("small", group, nbytes)
+            return self._keep("small", group, t)
 
+        version = t._version
         storage = t.untyped_storage()
-        key = StorageWeakRef(storage)
+        key = storage._cdata
         copies = self.storages.get(key)
         copy = None
         if copies is not None:
+            itemsize = t.element_size()
             for c in copies:
                 if (
                     c.start <= start
                     and end <= c.end
-                    and c.version == handle.version
-                    and (start - c.start) % t.element_size() == 0
+                    and c.version == version
+                    and (start - c.start) % itemsize == 0
                     and c.host is not None
+                    and not c.ref.expired()  # else another storage reuses the address
                 ):
                     copy = c
                     break
-        if copy is not None and copy.group is not group:
-            self._keep("shared", group, nbytes)  # transferred once, by copy.group
-        elif copy is None:
+        if copy is not None and copy.owner != group.index:
+            return self._keep("shared", group, t)  # transferred once, by its owner
+        if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
             # whole storage, so its sibling views find their bytes already copied.
@@ -598,46 +532,39 @@ class Step:
             block = self.rt.pool.allocate(c_end - c_start)
             if block is None:
                 self._warn_host_limit(c_end - c_start)
-                return self._keep("host_limit", group, nbytes)
-            copy = _Copy(group, c_start, c_end, handle.version, block)
-            copy.key, copy.storage_nbytes = key, total
-            self.backend.d2h(
-                _packing.as_bytes(t, c_start, c_end),
-                block.tensor,
-                self.rt.pool.h2d_fence,
-                group.times,
-            )  # type: ignore[union-attr]
-            group.device_refs.append((handle.tensor, handle.version, copy))  # type: ignore[arg-type]  # t.detach()
-            self.storages.setdefault(key, []).append(copy)
+                return self._keep("host_limit", group, t)
+            copy = _Copy(group.index, c_start, c_end, version, block)
+            copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
+            self.backend.d2h(  # type: ignore[union-attr]
+                _packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence, group.times
+            )
+            group.device_refs.append((t.detach(), version, copy))
+            if copies is None:
+                self.storages[key] = [copy]
+            else:
+                copies.append(copy)
             sent = c_end - c_start
             group.stats.bytes_offloaded += sent
-            self.stats.bytes_offloaded += sent
             name = _dtype_name(t.dtype)
-            self.stats.bytes_by_dtype[name] = self.stats.bytes_by_dtype.get(name, 0) + sent
+            by_dtype = self.stats.bytes_by_dtype
+            by_dtype[name] = by_dtype.get(name, 0) + sent
         if id(copy) not in group.copies:
             group.copies[id(copy)] = copy
             copy.users += 1
         copy.refs += 1
         group.live += 1
-        handle.group = group
-        handle.copy = copy
-        handle.dtype = t.dtype
-        handle.size = t.size()
-        handle.stride = t.stride()
-        handle.offset = start - copy.start
-        handle.tensor = None
+        return Offloaded(self, group, copy, t, start - copy.start)
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
             self.rt.warned_host_limit = True
             pool = self.rt.pool
-            warnings.warn(
+            warn_at_caller(
                 f"offload: the host memory budget is reached ({pool.reserved_bytes} of "
                 f"host_memory_limit={pool.limit} bytes reserved; a tensor of {nbytes} bytes "
                 f"stays on the device, reason 'host_limit'). Raise host_memory_limit to "
                 f"offload more; training stays correct.",
                 RuntimeWarning,
-                stacklevel=4,
             )
 
     def _release(self, group: _Group) -> None:
@@ -648,23 +575,21 @@ class Step:
         if not group.device_refs:
             return
         self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
-        mine = set()
+        mine: dict[int, _Copy] = {}
         for t, version, copy in group.device_refs:
             if t._version != version:
-                copy.poison = _inplace_message(t, version)
-            mine.add(copy.key)
+                copy.poison = inplace_message(t, version)
+            mine[id(copy.ref)] = copy
         del t  # the loop variable would keep the last tensor alive
         group.device_refs.clear()
         # Storages whose last reference was ours are free now: that is the device memory
         # this release gave back (a storage that another group or the caller still holds
-        # travelled for nothing, and is not counted).
-        freed = sum(
-            copies[0].storage_nbytes
-            for key in mine
-            if key.expired() and (copies := self.storages.get(key))
-        )
-        group.stats.bytes_released += freed
-        self.stats.bytes_released += freed
+        # travelled for nothing, and is not counted). One storage may have several copies.
+        freed: dict[int, int] = {}
+        for copy in mine.values():
+            if copy.ref.expired():  # type: ignore[union-attr]
+                freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
+        group.stats.bytes_released += sum(freed.values())
 
     # ---- backward --------------------------------------------------------------------
 
@@ -694,9 +619,9 @@ class Step:
         pairs, waits, todo = [], [], []
         for copy in group.copies.values():
             if copy.buffer is None and copy.host is not None:
-                copy.buffer = self._reload_buffer(copy.end - copy.start, stream)
+                copy.buffer = self.buffers.take(backend, copy.end - copy.start, stream)  # type: ignore[arg-type]
                 pairs.append((copy.host.tensor, copy.buffer))
-                owner = copy.group
+                owner = self.groups[copy.owner]
                 if owner.d2h_done is None and owner.device_refs:
                     owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
                 waits.append(owner.d2h_done)
@@ -713,65 +638,66 @@ class Step:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
 
-    def _reload_buffer(self, nbytes: int, stream: Any) -> torch.Tensor:
-        """A device buffer for a reload: a spare one of this size when double buffering
-        and nothing references it any more, else a fresh one from the compute stream's
-        pool. Reuse is safe in stream order: the H2D that refills it waits for the
-        compute stream, behind every kernel that read the previous contents."""
-        spares = self.spares.get(nbytes)
-        while spares:
-            buf = spares.pop()
-            if _storage_use_count(buf) <= 2:  # our tensor (+ the storage's Python wrapper)
-                self.stats_double_buffer_reuses += 1
-                return buf
-        return self.backend.alloc(nbytes, stream)  # type: ignore[union-attr]
-
-    def unpack_offloaded(self, handle: _Packed) -> torch.Tensor:
-        """Rebuild an offloaded tensor (Note [release order], 5)."""
+    def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
+        """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
+        (Note [release order], 5)."""
         with self.rt.lock:
             self.rt.drain()
             copy = handle.copy
-            if copy.poison is not None:  # type: ignore[union-attr]
-                raise RuntimeError(copy.poison)  # type: ignore[union-attr]
-            if copy.host is None:  # type: ignore[union-attr]
+            if copy.poison is not None:
+                raise RuntimeError(copy.poison)
+            if copy.host is None:
                 raise RuntimeError(
                     "offload: this saved tensor's host copy was freed because the forward "
                     "that saved it raised an exception; run the forward again before "
                     "calling backward"
                 )
-            if copy.buffer is None:  # type: ignore[union-attr]
-                self._reload(handle.group)  # type: ignore[arg-type]  # on demand
-            if not copy.waited:  # type: ignore[union-attr]
+            if copy.buffer is None:
+                self._reload(handle.group)  # on demand
+            if not copy.waited:
                 self.backend.wait_current(copy.reload_event, handle.group.times)  # type: ignore[union-attr]
-                copy.waited = True  # type: ignore[union-attr]
-            buffer = copy.buffer  # type: ignore[union-attr]
-        return _packing.rebuild(buffer, handle.dtype, handle.size, handle.stride, handle.offset)
+                copy.waited = True
+            return copy.buffer  # type: ignore[return-value]
 
     def _drop(self, group: _Group) -> None:
         """A group's backward is over: give up its reloaded buffers (lock held)."""
-        if not group.reloaded:
-            return
-        group.reloaded = False
-        for copy in group.copies.values():
-            copy.holders -= 1
-            if copy.holders <= 0:
-                copy.holders = 0
-                self._drop_buffer(copy, reuse=self.cfg.double_buffering)
-        if self.spares and group.index == min(self.plan.offloaded, default=0):
-            self.spares.clear()  # the backward of this forward is over: no more reloads
+        if group.reloaded:
+            group.reloaded = False
+            for copy in group.copies.values():
+                copy.holders -= 1
+                if copy.holders <= 0:
+                    copy.holders = 0
+                    self._drop_buffer(copy, reuse=True)
+        if not group.dropped and group.copies:
+            group.dropped = True
+            self.awaiting -= 1
+            if self.awaiting <= 0 and self.forward_done:
+                self._backward_over()
+
+    def _backward_over(self) -> None:
+        """Every group with copies finished its backward (lock held): free the spares
+        and remove this step's tensor hooks. Inside a backward the removal is queued to
+        run when the backward ends (a hook must not remove hooks that autograd may be
+        iterating); outside one (handles died with their graph) it happens now."""
+        self.backward_done = True
+        self.buffers.clear()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.remove_hooks)
+        except RuntimeError:  # not inside a backward
+            self.remove_hooks()
 
     def _drop_buffer(self, copy: _Copy, reuse: bool = False) -> None:
         if copy.buffer is not None:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
-            if reuse:
-                self.spares.setdefault(copy.buffer.numel(), []).append(copy.buffer)
+            if reuse and not self.backward_done:
+                self.buffers.give(copy.buffer)
             copy.buffer = None
 
     # ---- handle death ----------------------------------------------------------------
 
     def handle_died(self, copy: _Copy, group: _Group | None) -> None:
-        """Called from ``_Packed.__del__``, on any thread (Note [release order], 7)."""
+        """Called from ``Offloaded.__del__``, on any thread (Note [release order], 7)."""
         rt = self.rt
         if rt.lock.acquire(blocking=False):
             try:
@@ -785,7 +711,7 @@ class Step:
     def _retire(self, copy: _Copy, group: _Group | None) -> None:
         copy.refs -= 1
         if copy.refs == 0:
-            self._drop_buffer(copy, reuse=self.cfg.double_buffering and not self.aborted)
+            self._drop_buffer(copy, reuse=not self.aborted)
             if copy.host is not None:
                 self.rt.pool.free(copy.host)
                 copy.host = None
@@ -794,60 +720,33 @@ class Step:
             if group.live == 0:
                 self._drop(group)
 
+    # ---- stats -----------------------------------------------------------------------
+
     def read_stats(self) -> OffloadStats:
-        """The stats, brought up to date: deaths queued by other threads are processed,
-        the pool figures refreshed and, with ``timing=True``, the copy times resolved
-        (which waits on the host for the recorded copies)."""
+        """The stats, brought up to date: deaths queued by other threads processed,
+        totals summed over the groups, the pool figures refreshed and, with
+        ``timing=True``, the copy times resolved (which waits on the host for the
+        recorded copies)."""
+        stats = self.stats
         with self.rt.lock:
             self.rt.drain()
+            kept = dict(self.outside)
+            offloaded = released = 0
+            for g in self.groups:
+                s = g.stats
+                offloaded += s.bytes_offloaded
+                released += s.bytes_released
+                for reason, n in s.bytes_kept.items():
+                    kept[reason] += n
+            stats.bytes_kept = kept
+            stats.bytes_offloaded = offloaded
+            stats.bytes_released = released
             pool = self.rt._pool
             if pool is not None:
-                self.stats.host_pool_bytes = pool.in_use_bytes
-                self.stats.host_pool_reserved_bytes = pool.reserved_bytes
-                self.stats.host_pool_peak_bytes = pool.peak_bytes
-        if self.cfg.timing:
-            self._resolve_timings()
-        return self.stats
-
-    def _resolve_timings(self) -> None:
-        """Fill the layers' ``d2h_seconds``/``h2d_seconds``/``stall_seconds`` from the
-        timing records (``timing=True``). Waits on the host for the recorded copies."""
-        with self.rt.lock:
-            records = [(g, list(g.times)) for g in self.groups if g.times is not None]
-        for group, times in records:
-            sums = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
-            for record in times:
-                if len(record) == 2:  # measured on the host (synchronous path)
-                    sums[record[0]] += record[1]
-                else:
-                    kind, start, end = record
-                    end.synchronize()
-                    sums[kind] += start.elapsed_time(end) / 1e3
-            group.stats.d2h_seconds = sums["d2h"]
-            group.stats.h2d_seconds = sums["h2d"]
-            group.stats.stall_seconds = sums["stall"]
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    start, end = _packing.span(t)
-    return end - start
-
-
-def _storage_use_count(t: torch.Tensor) -> int:
-    # No public API tells whether anything else still references a storage (an output
-    # that is a view of a reloaded tensor, a user reference); this private one does.
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def _state_storages(module: torch.nn.Module | None) -> set[int]:
-    if module is None:
-        return set()
-    out = set()
-    for t in (*module.parameters(), *module.buffers()):
-        if not _packing.is_plain(t):  # DTensor (FSDP2 sharded, TP): its local shard
-            t = getattr(t, "_local_tensor", None)
-            if t is None:
-                continue
-        out.add(t.untyped_storage().data_ptr())
-    out.discard(0)
-    return out
+                stats.host_pool_bytes = pool.in_use_bytes
+                stats.host_pool_reserved_bytes = pool.reserved_bytes
+                stats.host_pool_peak_bytes = pool.peak_bytes
+            records = [(g.stats, list(g.times)) for g in self.groups if g.times is not None]
+        if records:
+            _timing.resolve(records)
+        return stats

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from offload._scheduler import (
-    Runtime,
-    Step,
-    _enter_no_offload,
-    _exit_no_offload,
-    make_plan,
-    unpack_hook,
-)
+from offload._handles import unpack_hook
+from offload._plan import check_selection, plan_forward
+from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
+from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
 from offload.profiling import OffloadStats
 
@@ -25,35 +22,32 @@ __all__ = ["ActivationOffloader", "no_offload", "get_cpu_offload_context"]
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
-
-def _resolve_selection(selection: LayerSelection, num_groups: int) -> Callable[[int, Any], bool]:
-    """``offload_layers`` as ``select(index, module) -> bool`` for a forward of ``num_groups``."""
-    if selection is None:
-        return lambda i, m: i < num_groups - 1
-    if isinstance(selection, int):
-        return lambda i, m: i < selection
-    if callable(selection):
-        return lambda i, m: bool(selection(i, m))
-    chosen = frozenset(selection)
-    return lambda i, m: i in chosen
+# The offload context entered on each thread, if any. Saved-tensor hooks do not nest:
+# only the innermost pair sees tensors, so a second context inside a first would leave
+# the outer one silently empty. Entering one while another is active raises instead.
+_active = threading.local()
 
 
-def _check_selection(selection: LayerSelection, num_groups: int) -> None:
-    if isinstance(selection, bool) or selection is None or callable(selection):
-        return
-    if isinstance(selection, int):
-        if selection > num_groups:
-            raise ValueError(
-                f"offload_layers={selection} asks for more layers than the {num_groups} "
-                f"given; pass an int <= {num_groups}"
-            )
-        return
-    bad = [i for i in selection if i >= num_groups]
-    if bad:
-        raise ValueError(
-            f"offload_layers={list(selection)} has indices {bad} out of range for "
-            f"{num_groups} layers; accepted: 0 <= index < {num_groups}"
+def _claim_thread(owner: object, what: str) -> None:
+    current = getattr(_active, "owner", None)
+    if current is owner:
+        raise RuntimeError(
+            f"this {what} is already entered on this thread; nested `with` blocks of the "
+            f"same offloader are not supported (exit the first one before entering again)"
         )
+    if current is not None:
+        raise RuntimeError(
+            f"another offload context ({type(current).__name__}) is already active on this "
+            f"thread. Saved-tensor hooks do not nest (only the innermost would see the "
+            f"tensors and the outer one would silently offload nothing): use one "
+            f"ActivationOffloader over all the layers and choose with offload_layers"
+        )
+    _active.owner = owner
+
+
+def _release_thread(owner: object) -> None:
+    if getattr(_active, "owner", None) is owner:
+        _active.owner = None
 
 
 class ActivationOffloader:
@@ -177,69 +171,161 @@ class ActivationOffloader:
         for i, layer in enumerate(layers):
             if not isinstance(layer, torch.nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
-        _check_selection(config.offload_layers, len(layers))
+        check_selection(config.offload_layers, len(layers))
+        if config.offload_layers is None and len(layers) == 1:
+            warn_at_caller(
+                "offload: ActivationOffloader got one layer and offload_layers=None (all "
+                "but the last), so nothing will be offloaded. Pass the model's repeated "
+                "blocks (offload.find_layers(model), e.g. model.model.layers), or "
+                "offload_layers=1 to offload that one layer."
+            )
         self.config = config
         self._layers = layers
         self._runtime = Runtime(config)
-        self._step: Step | None = None
-        self._last: Step | None = None
+        self._step: Step | None = None  # the forward in progress
+        self._last: Step | None = None  # the most recent forward (its stats)
+        self._unfinished: list[Step] = []  # earlier forwards whose backward has not run
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._calls: list[Any] = list(layers)  # the modules called by the last forward
+        self._groups_this_entry = 0
+        self._warned: set[str] = set()
         self._closed = False
 
     # ---- the context ----------------------------------------------------------------
 
-    def _plan(self) -> Step:
-        calls = self._calls
-        select = _resolve_selection(self.config.offload_layers, len(calls))
-        offloaded = [i for i, m in enumerate(calls) if select(i, m)]
-        plan = make_plan(len(calls), offloaded, self.config.prefetch_layers)
-        return Step(self._runtime, plan, select)
+    def _new_step(self) -> Step:
+        """A Step planned for the calls of the last complete forward (of ``layers`` at
+        first): which calls are offloaded depends only on their position in a forward."""
+        plan = plan_forward(self.config.offload_layers, self._calls, self.config.prefetch_layers)
+        step = Step(self._runtime, plan)
+        self._step = self._last = step
+        return step
+
+    def _end_forward(self, step: Step) -> None:
+        step.finish_forward()
+        if step.groups:
+            self._calls = [g.module for g in step.groups]
+            self._groups_this_entry += len(step.groups)
+            if not step.finished:
+                self._unfinished.append(step)
+            if step.plan.offloaded and not any(g.stats.bytes_offloaded for g in step.groups):
+                self._warn_nothing_offloaded(step)
 
     def __enter__(self) -> ActivationOffloader:
-        if self._step is not None:
-            raise RuntimeError(
-                "this ActivationOffloader is already entered; nested `with offloader:` "
-                "blocks are not supported (exit the first one before entering again)"
-            )
-        self._closed = False
-        step = self._plan()
-        for module in dict.fromkeys(self._layers):  # each module once, in order
-            self._hooks.append(
-                module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
-            )
-            self._hooks.append(module.register_forward_hook(self._layer_end, with_kwargs=True))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
-        self._saved_hooks.__enter__()
-        self._step = step
-        self._last = step
+        _claim_thread(self, "ActivationOffloader")
+        try:
+            self._closed = False
+            # Earlier forwards whose backward ran (or whose graph is gone) need no hooks:
+            # remove what is left of them, so nothing piles up on tensors that live
+            # across steps (a fixed batch, a parameter passed to every layer).
+            keep = []
+            for old in self._unfinished:
+                if old.finished:
+                    old.remove_hooks()
+                else:
+                    keep.append(old)
+            self._unfinished = keep
+            self._groups_this_entry = 0
+            self._new_step()
+            for module in dict.fromkeys(self._layers):  # each module once, in order
+                self._hooks.append(
+                    module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
+                )
+                self._hooks.append(
+                    module.register_forward_hook(self._layer_end, with_kwargs=True)
+                )
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
+            self._saved_hooks.__enter__()
+        except BaseException:
+            self._remove_layer_hooks()
+            self._step = None
+            _release_thread(self)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         step, self._step = self._step, None
         try:
             if exc_type is None:
-                step.finish_forward()
-                self._calls = [g.module for g in step.groups] or self._calls
+                self._end_forward(step)
+                if self._groups_this_entry == 0:
+                    self._warn_once(
+                        "not_called",
+                        f"offload: none of the {len(self._layers)} layers given to "
+                        f"ActivationOffloader ran inside `with offloader:`, so nothing was "
+                        f"offloaded. Pass the modules the forward calls (for a Hugging Face "
+                        f"model, offload.find_layers(model)), and run the forward inside "
+                        f"the `with` block.",
+                    )
             else:
                 step.abort()
+                for old in self._unfinished:
+                    if old.finished:
+                        old.remove_hooks()
         finally:
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
+            self._remove_layer_hooks()
             hooks, self._saved_hooks = self._saved_hooks, None
-            hooks.__exit__(exc_type, exc, tb)
+            _release_thread(self)
+            if hooks is not None:
+                hooks.__exit__(exc_type, exc, tb)
+
+    def _remove_layer_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        return self._step.pack(t)  # type: ignore[union-attr]
 
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
-        if step is not None:
-            step.open_group(module, (args, kwargs))
+        if step is None:
+            return
+        groups = step.groups
+        if (
+            step.open is None
+            and len(groups) >= len(self._layers)
+            and module is groups[0].module
+        ):
+            # The first layer again after a whole forward: the next forward (another
+            # micro-batch) in the same context entry. It gets its own plan, so the
+            # calls offloaded do not depend on how many forwards an entry holds.
+            self._end_forward(step)
+            step = self._new_step()
+        step.open_group(module, (args, kwargs))
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
         if step is not None:
             step.close_group(output)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_at_caller(message)
+
+    def _warn_nothing_offloaded(self, step: Step) -> None:
+        from offload._placement import summary_hint
+
+        kept: dict[str, int] = {}
+        for g in step.groups:
+            if g.offload:
+                for reason, n in g.stats.bytes_kept.items():
+                    kept[reason] = kept.get(reason, 0) + n
+        reason = max(kept, key=kept.__getitem__) if any(kept.values()) else None
+        if reason is None:
+            why = "the selected layers saved no tensor for backward (is grad enabled?)"
+        else:
+            why = f"everything they saved was kept on the device, mostly '{reason}'"
+            hint = summary_hint(reason)
+            if hint:
+                why += f": {hint}"
+        self._warn_once(
+            "nothing_offloaded",
+            f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
+            f"offloading but no bytes were offloaded; {why}.",
+        )
 
     # ---- results ----------------------------------------------------------------------
 
@@ -253,7 +339,16 @@ class ActivationOffloader:
         return OffloadStats() if step is None else step.read_stats()
 
     def report(self, console: Any = None) -> None:
-        """Print :attr:`stats` as a table (rich)."""
+        """Print :attr:`stats` as a table (rich); before any forward, say so instead."""
+        if self._last is None:
+            from rich.console import Console
+
+            (console or Console()).print(
+                "offload: no forward has run under this offloader yet, so there is "
+                "nothing to report. Run a forward inside `with offloader:` (and its "
+                "backward), then call report()."
+            )
+            return
         self.stats.report(console)
 
     def close(self) -> None:
@@ -313,19 +408,31 @@ class _ManualContext:
         self.runtime = Runtime(config)
         self.config = config
         self.step: Step | None = None
+        self._unfinished: list[Step] = []
         self._hooks: Any = None
 
     def __enter__(self) -> _ManualContext:
-        step = self.step
-        if step is None or len(step.groups) >= self.model_layers:
-            select = _resolve_selection(self.num_layers, self.model_layers)
-            plan = make_plan(
-                self.model_layers, list(range(self.num_layers)), self.config.prefetch_layers
-            )
-            step = self.step = Step(self.runtime, plan, select)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
-        self._hooks.__enter__()
-        step.open_group(None)
+        _claim_thread(self, "get_cpu_offload_context() context")
+        try:
+            step = self.step
+            if step is None or len(step.groups) >= self.model_layers:
+                # A new forward: hooks of earlier forwards whose backward ran go now.
+                self._unfinished = [s for s in self._unfinished if not _cleaned(s)]
+                if step is not None and not _cleaned(step):
+                    self._unfinished.append(step)
+                plan = plan_forward(
+                    self.num_layers, [None] * self.model_layers, self.config.prefetch_layers
+                )
+                step = self.step = Step(self.runtime, plan)
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
+            self._hooks.__enter__()
+            step.open_group(None)
+        except BaseException:
+            hooks, self._hooks = self._hooks, None
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+            _release_thread(self)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -340,6 +447,7 @@ class _ManualContext:
                 step.finish_forward()
         finally:
             hooks, self._hooks = self._hooks, None
+            _release_thread(self)
             hooks.__exit__(exc_type, exc, tb)
 
     def sync(self, output: Any) -> Any:
@@ -353,6 +461,14 @@ class _ManualContext:
     def stats(self) -> OffloadStats:
         step = self.step
         return OffloadStats() if step is None else step.read_stats()
+
+
+def _cleaned(step: Step) -> bool:
+    """Remove a finished step's hooks; True when it is finished."""
+    if step.finished:
+        step.remove_hooks()
+        return True
+    return False
 
 
 def _identity(x: Any) -> Any:

@@ -440,6 +440,7 @@ def test_close_is_idempotent_and_reusable() -> None:
     off.close()
 
 
+@pytest.mark.filterwarnings("ignore:offload. none of the")
 def test_nested_entry_is_an_error() -> None:
     layers, _, _ = make("llama", n=2)
     off = offload.ActivationOffloader(layers)

@@ -1,0 +1,55 @@
+"""Device buffers for reloads, and their reuse under ``double_buffering=True``.
+
+Without double buffering every reload takes a fresh block from the compute stream's
+pool of the caching allocator and gives it back when its group's backward ends. With it,
+a finished group's buffers are kept as spares for a later group of equal span sizes
+during the same backward, and all spares go when the backward ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offload._device import Backend
+
+__all__ = ["ReloadBuffers"]
+
+
+def _storage_use_count(t: torch.Tensor) -> int:
+    # No public API tells whether anything else still references a storage (an output
+    # that is a view of a reloaded tensor, a user reference); this private one does.
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class ReloadBuffers:
+    """Hands out reload buffers; keeps spares when ``reuse`` is on."""
+
+    __slots__ = ("reuse", "spares", "reuses")
+
+    def __init__(self, reuse: bool) -> None:
+        self.reuse = reuse
+        self.spares: dict[int, list[torch.Tensor]] = {}
+        self.reuses = 0
+
+    def take(self, backend: Backend, nbytes: int, stream: Any) -> torch.Tensor:
+        """A spare of this size that nothing references any more, else a fresh buffer
+        from ``stream``'s pool. Reuse is safe in stream order: the H2D that refills a
+        spare waits for the compute stream, behind every kernel that read it."""
+        spares = self.spares.get(nbytes)
+        while spares:
+            buf = spares.pop()
+            if _storage_use_count(buf) <= 2:  # our tensor (+ the storage's Python wrapper)
+                self.reuses += 1
+                return buf
+        return backend.alloc(nbytes, stream)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """A group is done with ``buffer``: keep it as a spare when reusing."""
+        if self.reuse:
+            self.spares.setdefault(buffer.numel(), []).append(buffer)
+
+    def clear(self) -> None:
+        """The backward is over: free every spare."""
+        self.spares.clear()

@@ -1,0 +1,148 @@
+"""What autograd keeps for each saved tensor: a handle, never the tensor itself.
+
+A pack hook that returned its input would let a tensor saved by its own producer (exp,
+sigmoid, softmax, SDPA's output) reference itself through its ``grad_fn``: a cycle only
+the garbage collector can break. Every handle holds ``t.detach()`` instead (same storage,
+same version counter) or, once offloaded, a reference to its host copy.
+
+Handle kinds, cheapest first:
+
+* :class:`Kept` -- stays on the device; its unpack checks the version counter, since
+  autograd stops doing so once saved-tensor hooks are installed.
+* :class:`Offloaded` -- bytes on the host (or on their way); its unpack reloads them if
+  the schedule has not, and its death returns the host block (Note [release order], 7).
+* :class:`Pending` -- saved between two layer calls; it becomes one of the above when
+  the next group opens (or is kept when the forward ends).
+* :class:`PackedSubclass`, :class:`PackedQuantized`, :class:`Raw` -- wrapper tensor
+  subclasses and TransformerEngine quantized tensors, whose parts are packed one by one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offload import _packing
+
+if TYPE_CHECKING:
+    from offload._scheduler import Step, _Copy, _Group
+
+__all__ = [
+    "Kept",
+    "Offloaded",
+    "PackedQuantized",
+    "PackedSubclass",
+    "Pending",
+    "Raw",
+    "inplace_message",
+    "unpack_hook",
+]
+
+
+def inplace_message(t: torch.Tensor, version: int) -> str:
+    """Autograd's kind of error for a saved tensor changed in place after saving."""
+    return (
+        f"one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{t.dtype}{list(t.shape)}] is at version {t._version}; "
+        f"expected version {version} instead (detected by offload: the tensor was saved "
+        f"for backward and then changed in place)"
+    )
+
+
+class Kept:
+    """A saved tensor that stays on the device."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(inplace_message(t, self.version))
+        return t
+
+
+class Offloaded:
+    """A saved tensor whose bytes are (part of) a host copy."""
+
+    __slots__ = ("step", "group", "copy", "dtype", "size", "stride", "offset")
+
+    def __init__(self, step: Step, group: _Group, copy: _Copy, t: torch.Tensor, offset: int):
+        self.step = step
+        self.group = group
+        self.copy = copy
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = offset  # bytes from the start of the copied span
+
+    def unpack(self) -> torch.Tensor:
+        buffer = self.step.reloaded_buffer(self)
+        return _packing.rebuild(buffer, self.dtype, self.size, self.stride, self.offset)
+
+    def __del__(self) -> None:
+        self.step.handle_died(self.copy, self.group)
+
+
+class Pending:
+    """Saved between two layer calls: decided when the next group opens."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Kept | Offloaded) -> None:
+        self.inner = inner
+
+    def unpack(self) -> torch.Tensor:
+        return self.inner.unpack()
+
+
+class PackedSubclass:
+    """A wrapper tensor subclass: its inner tensors are packed one by one."""
+
+    __slots__ = ("cls", "names", "ctx", "parts", "size", "stride")
+
+    def __init__(
+        self, cls: type, names: list[str], ctx: Any, parts: list[Any], size: Any, stride: Any
+    ):
+        self.cls, self.names, self.ctx, self.parts = cls, names, ctx, parts
+        self.size, self.stride = size, stride
+
+    def unpack(self) -> torch.Tensor:
+        inner = [p.unpack() for p in self.parts]
+        return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
+
+
+class Raw:
+    """A non-tensor attribute of a flattened subclass, kept by reference."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unpack(self) -> Any:
+        return self.obj
+
+
+class PackedQuantized:
+    """A TransformerEngine quantized tensor: the object emptied by
+    ``prepare_for_saving()`` and its data/scale tensors packed one by one."""
+
+    __slots__ = ("obj", "parts")
+
+    def __init__(self, obj: Any, parts: list[Any]) -> None:
+        self.obj, self.parts = obj, parts
+
+    def unpack(self) -> Any:
+        tensors = [None if p is None else p.unpack() for p in self.parts]
+        self.obj.restore_from_saved(tensors)  # fills the object in place
+        return self.obj
+
+
+def unpack_hook(handle: Any) -> torch.Tensor:
+    """The unpack half of the saved-tensor hooks."""
+    return handle.unpack()

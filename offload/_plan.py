@@ -1,0 +1,116 @@
+"""Which groups of a forward are offloaded, and when each is released and reloaded.
+
+Pure functions of the forward's length and the ``offload_layers`` setting; no tensors,
+no state. The schedule itself is explained in ``# Note [release order]``
+(``offload/_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from offload.config import LayerSelection
+
+__all__ = ["Plan", "check_selection", "make_plan", "plan_forward", "resolve_selection"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Release and reload points of one forward of ``num_groups`` layer calls.
+
+    ``release_at[r]`` lists the groups released when the forward of call ``r`` starts
+    (groups whose release point is ``num_groups`` are released when the forward ends);
+    ``reload_at[q]`` lists the groups reloaded when the backward of call ``q`` starts,
+    in the order they will be needed. A call past ``num_groups`` (a forward longer than
+    planned) follows ``select`` and is released when the forward ends.
+    """
+
+    num_groups: int
+    offloaded: frozenset[int]
+    release_at: dict[int, tuple[int, ...]]
+    reload_at: dict[int, tuple[int, ...]]
+    select: Callable[[int, Any], bool] = dataclasses.field(
+        default=lambda i, m: False, compare=False, repr=False
+    )
+
+
+def make_plan(
+    num_groups: int,
+    offloaded: Sequence[int],
+    prefetch_layers: int | None,
+    select: Callable[[int, Any], bool] | None = None,
+) -> Plan:
+    """The schedule of Note [release order] for ``offloaded`` (sorted) of ``num_groups``.
+
+    With L calls and k offloaded groups s_0 < ... < s_{k-1}: group s_j is released when
+    call ``max(s_j + 1, L - k + j)`` starts (never more than L - k groups resident, each
+    kept as long as that allows) and reloaded when the backward of call
+    ``min(L - 1, max(s_j + 1, L - 1 - k + j))`` starts, or of ``s_j + prefetch_layers``.
+    """
+    L, k = num_groups, len(offloaded)
+    release: dict[int, list[int]] = collections.defaultdict(list)
+    reload: dict[int, list[int]] = collections.defaultdict(list)
+    for j, s in enumerate(offloaded):
+        r = max(s + 1, L - k + j)
+        if r < L:
+            release[r].append(s)
+        if prefetch_layers is None:
+            q = min(L - 1, max(s + 1, L - 1 - k + j))
+        else:
+            q = min(L - 1, s + prefetch_layers)
+        reload[q].append(s)
+    chosen = frozenset(offloaded)
+    return Plan(
+        num_groups=L,
+        offloaded=chosen,
+        release_at={r: tuple(g) for r, g in release.items()},
+        reload_at={q: tuple(sorted(g, reverse=True)) for q, g in reload.items()},
+        select=select or (lambda i, m: i in chosen),
+    )
+
+
+def resolve_selection(selection: LayerSelection, num_groups: int) -> Callable[[int, Any], bool]:
+    """``offload_layers`` as ``select(index, module) -> bool`` for a forward of
+    ``num_groups`` calls. ``None`` selects every call but the last one planned, so a call
+    past the plan (a longer forward than the last) is never offloaded by default."""
+    if selection is None:
+        return lambda i, m: i < num_groups - 1
+    if isinstance(selection, int):
+        return lambda i, m: i < selection
+    if callable(selection):
+        return lambda i, m: bool(selection(i, m))
+    chosen = frozenset(selection)
+    return lambda i, m: i in chosen
+
+
+def plan_forward(
+    selection: LayerSelection,
+    calls: Sequence[Any],
+    prefetch_layers: int | None,
+) -> Plan:
+    """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order."""
+    select = resolve_selection(selection, len(calls))
+    offloaded = [i for i, m in enumerate(calls) if select(i, m)]
+    return make_plan(len(calls), offloaded, prefetch_layers, select)
+
+
+def check_selection(selection: LayerSelection, num_groups: int) -> None:
+    """Raise ``ValueError`` when ``offload_layers`` does not fit ``num_groups`` layers."""
+    if isinstance(selection, bool) or selection is None or callable(selection):
+        return
+    if isinstance(selection, int):
+        if selection > num_groups:
+            raise ValueError(
+                f"offload_layers={selection} asks for more layers than the {num_groups} "
+                f"given; pass an int <= {num_groups}"
+            )
+        return
+    bad = [i for i in selection if i >= num_groups]
+    if bad:
+        raise ValueError(
+            f"offload_layers={list(selection)} has indices {bad} out of range for "
+            f"{num_groups} layers; accepted: 0 <= index < {num_groups}"
+        )
