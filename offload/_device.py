@@ -104,6 +104,11 @@ class CudaBackend(Backend):
         with torch.cuda.device(device):
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
+        # One event re-recorded for every copy: a wait enqueued on a stream waits for
+        # the record made before it, so recording again later is safe, and saves an
+        # event creation per saved tensor (the hot path).
+        self._ready = torch.cuda.Event()
+        self._fence_waited: Any = None
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -111,13 +116,19 @@ class CudaBackend(Backend):
     def d2h(
         self, src: torch.Tensor, dst: torch.Tensor, fence: Any, times: Times | None = None
     ) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        stream = self.d2h_stream
         # 4.1(a): the copy starts only after everything queued so far on the producing
         # (current) stream, which includes the kernel that wrote ``src``.
-        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if fence is not None:
-            # 4.1(d): the host bytes may still be read by an earlier step's H2D.
-            self.d2h_stream.wait_event(fence)
-        with torch.cuda.stream(self.d2h_stream):
+        self._ready.record(compute)
+        stream.wait_event(self._ready)
+        if fence is not None and fence is not self._fence_waited:
+            # 4.1(d): the host bytes may still be read by an earlier step's H2D. Once
+            # the D2H stream waited for a fence, every later copy on it is behind it.
+            stream.wait_event(fence)
+            self._fence_waited = fence
+        torch.cuda.set_stream(stream)
+        try:
             if times is None:
                 dst.copy_(src, non_blocking=True)
             else:
@@ -126,6 +137,8 @@ class CudaBackend(Backend):
                 dst.copy_(src, non_blocking=True)
                 end.record()
                 times.append(("d2h", start, end))
+        finally:
+            torch.cuda.set_stream(compute)
 
     def record_d2h(self) -> torch.cuda.Event:
         return self.d2h_stream.record_event()

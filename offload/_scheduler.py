@@ -360,11 +360,15 @@ class Step:
         if index not in self.plan.reload_at:
             return
         tensors = _tensors_in(outputs, [])
-        if tensors:
+        fn = functools.partial(self._backward_started, index)
+        if len(tensors) == 1:
+            # One output (the usual case): a plain tensor hook fires when its gradient
+            # arrives, as register_multi_grad_hook(mode="any") would, at a fraction of
+            # the cost.
+            self.hooks.append(tensors[0].register_hook(fn))
+        elif tensors:
             self.hooks.append(
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._backward_started, index), mode="any"
-                )
+                torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")
             )
 
     def finish_forward(self) -> None:

@@ -313,7 +313,10 @@ class ActivationOffloader:
             if g.offload:
                 for reason, n in g.stats.bytes_kept.items():
                     kept[reason] = kept.get(reason, 0) + n
-        reason = max(kept, key=kept.__getitem__) if any(kept.values()) else None
+        # parameters never travel: name what kept the rest, when anything else was kept
+        actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
+        pool = actionable or {r: n for r, n in kept.items() if n}
+        reason = max(pool, key=pool.__getitem__) if pool else None
         if reason is None:
             why = "the selected layers saved no tensor for backward (is grad enabled?)"
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,8 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         sel = self.offload_layers
+        if callable(sel) and not isinstance(sel, (int, Sequence)):
+            _check_selector(sel)
         if sel is not None and not callable(sel):
             if isinstance(sel, bool):
                 raise TypeError(
@@ -110,6 +113,24 @@ class OffloadConfig:
                 f"tensor_filter must be None or a callable(tensor) -> bool; got "
                 f"{_type_name(self.tensor_filter)} {self.tensor_filter!r}"
             )
+
+
+def _check_selector(fn: Callable[..., Any]) -> None:
+    """A callable ``offload_layers`` must accept ``(index, module)``: checked now, so a
+    wrong signature fails here and not at the first forward, deep inside a hook."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: trust them
+        return
+    try:
+        sig.bind(0, None)
+    except TypeError:
+        raise TypeError(
+            f"offload_layers, when callable, is called as offload_layers(index, module) "
+            f"and must return a bool; {getattr(fn, '__name__', fn)!r} has signature {sig}, "
+            f"which does not accept (index, module). Example: "
+            f"offload_layers=lambda index, module: index < 2"
+        ) from None
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:

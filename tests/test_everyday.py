@@ -1,0 +1,348 @@
+"""Regression tests of everyday use: nothing piles up across steps, the schedule does not
+drift, misuse fails loudly, nothing is a silent no-op (CPU path)."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import offload
+from offload._scheduler import Step
+from tests import models
+from tests.models import assert_same, step, twin
+
+
+def _live_steps() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is Step)
+
+
+class SharedInputBlock(nn.Module):
+    """A block that also takes a tensor passed to every layer (like a RoPE table)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * shared)
+
+
+# ---- 1. hooks and Steps do not pile up --------------------------------------------------
+
+
+def test_persistent_input_keeps_no_hooks_and_one_step() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(16, 32, requires_grad=True)
+    for _ in range(100):
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h)
+        h.square().mean().backward()
+        assert not x._backward_hooks  # removed when the backward ended
+    assert off.stats.bytes_offloaded > 0
+    del h
+    assert _live_steps() <= 1
+
+
+def test_thousand_steps_flat_hooks_steps_heap() -> None:
+    """A parameter passed to every layer and a caller-held input: hooks, live Steps
+    and the Python heap stay flat over 1,000 steps."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(SharedInputBlock() for _ in range(4))
+    shared = nn.Parameter(torch.rand(32))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def one() -> None:
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h, shared)
+        h.square().mean().backward()
+
+    for _ in range(50):
+        one()
+    gc.collect()
+    tracemalloc.start()  # slows every step down: traced over 200 of the 1,000 steps
+    try:
+        for _ in range(50):
+            one()
+        gc.collect()
+        early, _ = tracemalloc.get_traced_memory()
+        for _ in range(200):
+            one()
+        gc.collect()
+        late, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert late - early < 32 * 1024, (early, late)  # a Step per step would be far more
+    for _ in range(700):
+        one()
+        assert not x._backward_hooks and not shared._backward_hooks
+    assert off.stats.bytes_offloaded > 0
+    assert _live_steps() <= 1
+
+
+def test_hooks_of_a_step_without_backward_go_at_next_forward() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(4, 32, requires_grad=True)
+    for _ in range(5):
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h)
+        del h  # graph dropped without a backward (evaluation with grad enabled)
+    with off:
+        h = layers[0](x)
+    assert len(x._backward_hooks) <= 1  # only the forward in progress
+
+
+def test_memory_comes_back_without_garbage_collection() -> None:
+    """No reference cycle holds a Step, its groups or the layers (gc disabled)."""
+    gc.collect()
+    gc.disable()
+    try:
+        layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
+        off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h)
+        h.sum().backward()
+        assert off.stats.bytes_offloaded > 0
+        step_ref = weakref.ref(off._last)
+        layer_ref = weakref.ref(layers[0])
+        del h, off, layers, x
+        assert step_ref() is None
+        assert layer_ref() is None
+    finally:
+        gc.enable()
+
+
+# ---- 2. nesting the TE-style context ----------------------------------------------------
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.packed = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed += 1
+        return t
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def test_nested_manual_context_raises_and_restores_hooks() -> None:
+    ctx, sync = offload.get_cpu_offload_context(True, num_layers=1, model_layers=2)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    counting = _Counting()
+    with torch.autograd.graph.saved_tensors_hooks(counting.pack, counting.unpack):
+        with pytest.raises(RuntimeError, match="already entered"):
+            with ctx:
+                with ctx:
+                    lin(x)
+        # the thread's hook stack is what it was: the outer (counting) pair sees saves
+        before = counting.packed
+        y = lin(x).exp()
+        assert counting.packed > before
+    assert ctx.step is None or not ctx.step.pending
+    y.sum().backward()
+    # and the context still works afterwards
+    h = x
+    for _ in range(2):
+        with ctx:
+            h = lin(h)
+        h = sync(h)
+    h.sum().backward()
+
+
+# ---- 3. a stable schedule ------------------------------------------------------------------
+
+
+def _pattern(off: offload.ActivationOffloader) -> list[list[int]]:
+    steps = [*off._unfinished]
+    if off._last is not None and off._last not in steps:
+        steps.append(off._last)
+    return [[int(g.offload) for g in s.groups] for s in steps]
+
+
+def test_schedule_is_a_function_of_position_in_the_forward() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+
+    def micro(ls, xs, o):
+        for p in ls.parameters():
+            p.grad = None
+        with o if o is not None else models.contextlib.nullcontext():
+            loss = sum(models.run_plain(ls, xi).square().mean() for xi in xs)
+        pattern = _pattern(o) if o is not None else None
+        loss.backward()
+        return pattern, [p.grad.clone() for p in ls.parameters()]
+
+    for it in range(3):
+        xs = [torch.randn(8, 32, requires_grad=True) for _ in range(2)]
+        pattern, got = micro(layers, xs, off)
+        assert pattern == [[1, 1, 1, 0], [1, 1, 1, 0]], (it, pattern)
+        _, want = micro(ref, [x.detach().requires_grad_() for x in xs], None)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # a single forward afterwards: the last call is not offloaded
+    pattern, _ = micro(layers, [torch.randn(8, 32)], off)
+    assert pattern[-1] == [1, 1, 1, 0]
+    assert off.stats.layers[-1].bytes_offloaded == 0
+
+
+# ---- 4. two offloaders nested ---------------------------------------------------------------
+
+
+def test_two_offloaders_nested_raise() -> None:
+    layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    a = offload.ActivationOffloader(layers[:2], offload_layers=1, min_tensor_bytes=0)
+    b = offload.ActivationOffloader(layers[2:], offload_layers=1, min_tensor_bytes=0)
+    counting = _Counting()
+    with torch.autograd.graph.saved_tensors_hooks(counting.pack, counting.unpack):
+        with pytest.raises(RuntimeError, match="another offload context"):
+            with a, b:
+                pass
+        before = counting.packed
+        torch.randn(3, requires_grad=True).exp()
+        assert counting.packed == before + 1  # a's hooks are gone too
+    # each works alone afterwards
+    x = torch.randn(4, 32, requires_grad=True)
+    with a:
+        h = models.run_plain(layers[:2], x)
+    h.sum().backward()
+    assert a.stats.bytes_offloaded > 0
+
+
+# ---- 5. silent no-ops ---------------------------------------------------------------------
+
+
+def test_layers_never_called_warn() -> None:
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    other = nn.Linear(8, 8)
+    off = offload.ActivationOffloader(layers)
+    with pytest.warns(UserWarning, match="none of the 3 layers"):
+        with off:
+            other(torch.randn(2, 8, requires_grad=True))
+
+
+def test_single_module_with_default_warns() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.warns(UserWarning, match="offloads? nothing|nothing will be offloaded"):
+        offload.ActivationOffloader([model])
+
+
+def test_nothing_offloaded_warns_with_the_reason() -> None:
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    off = offload.ActivationOffloader(layers)  # default min_tensor_bytes: all small
+    with pytest.warns(UserWarning, match="'small'.*min_tensor_bytes"):
+        with off:
+            models.run_plain(layers, torch.randn(2, 8, requires_grad=True))
+
+
+def test_report_before_any_forward_says_so() -> None:
+    from rich.console import Console
+
+    off = offload.ActivationOffloader([nn.Linear(4, 4), nn.Linear(4, 4)])
+    console = Console(record=True, width=80)
+    off.report(console)
+    assert "no forward has run" in console.export_text()
+
+
+# ---- 6. a callable with the wrong signature -------------------------------------------------
+
+
+def test_callable_selection_signature_checked_at_construction() -> None:
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    with pytest.raises(TypeError, match=r"offload_layers.*\(index, module\)"):
+        offload.ActivationOffloader(layers, offload_layers=lambda i: i < 2)
+    offload.ActivationOffloader(layers, offload_layers=lambda i, m: i < 2)
+
+
+# ---- 7. frozen weights under autocast ----------------------------------------------------
+
+
+class LoraBlock(nn.Module):
+    def __init__(self, dim: int = 128, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.a = nn.Linear(dim, rank, bias=False)
+        self.b = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.base(x) + self.b(self.a(x)))
+
+
+def test_frozen_weight_casts_under_autocast_stay_on_the_device() -> None:
+    torch.manual_seed(0)
+    dim, n = 128, 64
+    layers = nn.ModuleList(LoraBlock(dim) for _ in range(3))
+    ref = twin(layers)
+
+    def go(ls, off):
+        for p in ls.parameters():
+            p.grad = None
+        x = torch.randn(n, dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with off if off is not None else models.contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = models.run_plain(ls, x)
+        y.float().square().mean().backward()
+        return [p.grad.clone() for p in ls.parameters() if p.requires_grad]
+
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    got, want = go(layers, off), go(ref, None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for layer in off.stats.layers[:2]:
+        assert layer.bytes_offloaded > 0
+        # the bf16 casts of the frozen dim x dim weight never travel
+        assert layer.bytes_kept["parameter"] >= dim * dim * 2
+        assert layer.bytes_offloaded < 3 * n * dim * 2 + 2 * n * 4 * 2 + 1024
+
+
+# ---- 8. warnings point at the caller ---------------------------------------------------------
+
+
+def test_host_limit_warning_points_at_the_callers_code() -> None:
+    layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0, host_memory_limit=0)
+    x = torch.randn(8, 64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with off:
+            y = models.run_plain(layers, x)
+    y.sum().backward()
+    limit = [w for w in caught if "host_memory_limit" in str(w.message)]
+    assert limit and all(w.filename != offload.__file__ for w in limit)
+    assert limit[0].filename.endswith(("test_everyday.py", "models.py")), limit[0].filename
+
+
+def test_bitwise_equal_with_shared_input_and_micro_batches() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
+    x = torch.randn(2, 16, 64)
+    for it in range(2):
+        got = step(layers, x + it, models.run_plain, off)
+        want = step(layers, x + it, models.run_plain)
+        assert_same(got, want)
+        assert off.stats.bytes_offloaded > 0
