@@ -19,6 +19,7 @@ __all__ = [
     "LEGEND",
     "layer_table",
     "largest_reason",
+    "ms_text",
     "profile_lines",
     "render_profile",
     "render_stats",
@@ -52,8 +53,15 @@ def short_bytes(n: int | float) -> str:
     return f"{value:.1f}T"  # unreachable
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+def ms_text(seconds: float | None) -> str:
+    """Seconds as milliseconds in at most 8 characters: ``13.40``, ``127.3``, ``15802``;
+    ``-`` for ``None``."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    if ms < 100:
+        return f"{ms:.2f}"
+    return f"{ms:.1f}" if ms < 10000 else f"{ms:.0f}"
 
 
 def largest_reason(bytes_kept: dict[str, int]) -> str:
@@ -95,7 +103,7 @@ def layer_table(stats: OffloadStats, title: str) -> Any:
     ]
     if timed:
         for field in ("d2h_seconds", "h2d_seconds", "stall_seconds"):
-            totals.append(_ms(sum(getattr(la, field) or 0.0 for la in stats.layers)))
+            totals.append(ms_text(sum(getattr(la, field) or 0.0 for la in stats.layers)))
     table.add_section()
     table.add_row(*totals)
     return table
@@ -111,7 +119,11 @@ def _layer_cells(layer: LayerStats, timed: bool) -> list[str]:
         largest_reason(layer.bytes_kept),
     ]
     if timed:
-        cells += [_ms(layer.d2h_seconds), _ms(layer.h2d_seconds), _ms(layer.stall_seconds)]
+        cells += [
+            ms_text(layer.d2h_seconds),
+            ms_text(layer.h2d_seconds),
+            ms_text(layer.stall_seconds),
+        ]
     return cells
 
 
@@ -149,6 +161,10 @@ def render_stats(stats: OffloadStats, console: Any = None) -> None:
     console.print(stats_summary(stats))
 
 
+def _rate(gbps: float) -> str:
+    return f"{gbps:.1f}" if gbps >= 1 else f"{gbps:.3f}"
+
+
 def _gib(n: float) -> str:
     return format_bytes(n)
 
@@ -181,9 +197,9 @@ def profile_lines(p: MemoryProfile) -> list[str]:
     if copy_s is not None:
         parts = [f"copies {copy_s * 1e3:.2f} ms"]
         if p.d2h_gbps is not None:
-            parts.append(f"D2H {p.d2h_gbps:.1f} GB/s")
+            parts.append(f"D2H {_rate(p.d2h_gbps)} GB/s")
         if p.h2d_gbps is not None:
-            parts.append(f"H2D {p.h2d_gbps:.1f} GB/s")
+            parts.append(f"H2D {_rate(p.h2d_gbps)} GB/s")
         parts.append(f"stall {(stall_s or 0.0) * 1e3:.2f} ms")
         if p.link_d2h_gbps is not None and p.link_h2d_gbps is not None:
             parts.append(

@@ -209,7 +209,7 @@ def _hugging_face(args: argparse.Namespace, device: torch.device, dtype: torch.d
         if getattr(args, flag) is not None:
             raise CliError(
                 f"--{flag} does not apply with --hf-config (edit the config instead); "
-                f"--layers, --seq, --batch and --dtype do"
+                f"accepted with --hf-config: --layers, --seq, --batch, --dtype"
             )
     path = Path(args.hf_config)
     if not path.exists():
