@@ -218,7 +218,9 @@ def profile_lines(p: MemoryProfile) -> list[str]:
 def render_profile(p: MemoryProfile, console: Any = None) -> None:
     """Print a profile: per-layer table, legend, totals and the verdict."""
     console = _console(console)
-    console.print(layer_table(p.stats, f"offload profile on {p.device}: the last offloaded step"))
+    console.print(
+        layer_table(p.stats, f"offload profile on {p.device}: last measured step with offloading")
+    )
     console.print(legend(p.stats), style="dim")
     for line in profile_lines(p):
         console.print(line)
