@@ -5,6 +5,7 @@ created until the first forward that offloads something.
 """
 
 from offload import integrations, main_grad, nn
+from offload._profile import MemoryProfile, profile_step
 from offload.activations import ActivationOffloader, get_cpu_offload_context, no_offload
 from offload.config import OffloadConfig
 from offload.integrations.hf import find_layers
@@ -30,4 +31,7 @@ __all__ = [
     # statistics
     "OffloadStats",
     "LayerStats",
+    # profiling: measure the savings on your own model
+    "profile_step",
+    "MemoryProfile",
 ]

@@ -1,4 +1,5 @@
-"""What an offloaded forward did: :class:`OffloadStats` and its rich report."""
+"""What an offloaded forward did: :class:`OffloadStats` and :class:`LayerStats` (data
+only; their rich rendering lives in ``offload/_render.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 __all__ = ["KEEP_REASONS", "LayerStats", "OffloadStats", "format_bytes"]
 
-#: Every reason a saved tensor stays on the device (DESIGN.md section 5).
+#: Every reason a saved tensor stays on the device.
 KEEP_REASONS: tuple[str, ...] = (
     "small",
     "parameter",
@@ -45,7 +46,7 @@ class LayerStats:
         offloaded: whether the group was selected for offloading.
         bytes_offloaded: bytes this group sent to the host (each storage once).
         bytes_released: device bytes freed when the group was released (storages whose
-            last reference was the offloader's; not part of DESIGN.md's contract).
+            last reference was the offloader's).
         bytes_kept: bytes saved in this group that stayed on the device, by reason.
         d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
             timings are recorded.
@@ -61,7 +62,13 @@ class LayerStats:
     stall_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerStats:
+        """The inverse of :meth:`to_dict` (also after a JSON round trip)."""
+        return cls(**data)
 
 
 @dataclasses.dataclass
@@ -98,69 +105,29 @@ class OffloadStats:
         """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""
         return dataclasses.asdict(self)
 
-    def table(self) -> Any:
-        """A :class:`rich.table.Table` with one row per layer and a total row."""
-        from rich.table import Table
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OffloadStats:
+        """The inverse of :meth:`to_dict` (also after a JSON round trip)."""
+        fields = dict(data)
+        fields["layers"] = [LayerStats.from_dict(la) for la in fields.get("layers", [])]
+        return cls(**fields)
 
-        table = Table(title="offload: saved tensors of the last forward")
-        table.add_column("layer", justify="right")
-        table.add_column("offloaded", justify="center")
-        table.add_column("sent to host", justify="right")
-        table.add_column("freed on device", justify="right")
-        table.add_column("kept on device", justify="right")
-        table.add_column("largest keep reason")
-        timed = any(layer.d2h_seconds is not None for layer in self.layers)
-        if timed:
-            for name in ("D2H ms", "H2D ms", "stall ms"):
-                table.add_column(name, justify="right")
-        for layer in self.layers:
-            kept = sum(layer.bytes_kept.values())
-            reason = max(layer.bytes_kept, key=layer.bytes_kept.__getitem__) if kept else "-"
-            times = (
-                [
-                    "-" if t is None else f"{t * 1e3:.2f}"
-                    for t in (layer.d2h_seconds, layer.h2d_seconds, layer.stall_seconds)
-                ]
-                if timed
-                else []
-            )
-            table.add_row(
-                str(layer.index),
-                "yes" if layer.offloaded else "no",
-                format_bytes(layer.bytes_offloaded),
-                format_bytes(layer.bytes_released),
-                format_bytes(kept),
-                reason,
-                *times,
-            )
-        kept_total = sum(self.bytes_kept.values())
-        table.add_row(
-            "all",
-            "",
-            format_bytes(self.bytes_offloaded),
-            format_bytes(self.bytes_released),
-            format_bytes(kept_total),
-            "",
-            *([""] * 3 if timed else []),
-            end_section=True,
-        )
-        return table
+    def table(self) -> Any:
+        """A :class:`rich.table.Table` with one row per layer and a total row (fits 80
+        columns; short headers explained by the legend that :meth:`report` prints)."""
+        from offload import _render
+
+        return _render.layer_table(self, "offload: saved tensors of the last forward")
 
     def summary(self) -> str:
         """One line: sent, kept by reason (non-zero only), host pool."""
-        kept = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.bytes_kept.items() if v)
-        return (
-            f"offloaded {format_bytes(self.bytes_offloaded)} "
-            f"(freed {format_bytes(self.bytes_released)} on the device) in "
-            f"{sum(1 for la in self.layers if la.bytes_offloaded)} of {len(self.layers)} "
-            f"layers; kept {kept or 'nothing'}; host pool {format_bytes(self.host_pool_bytes)} "
-            f"in use, {format_bytes(self.host_pool_reserved_bytes)} reserved"
-        )
+        from offload import _render
+
+        return _render.stats_summary(self)
 
     def report(self, console: Any = None) -> None:
-        """Print the table and the summary with rich."""
-        from rich.console import Console
+        """Print the table, a legend line and the summary with rich (``console``:
+        a :class:`rich.console.Console`; default a new one on stdout)."""
+        from offload import _render
 
-        console = console or Console()
-        console.print(self.table())
-        console.print(self.summary())
+        _render.render_stats(self, console)

@@ -1,0 +1,366 @@
+"""The ``offload`` command line: ``offload profile`` (also ``python -m offload profile``).
+
+``offload profile`` builds a model with random weights (the built-in Llama-style
+reference stack, or any Hugging Face causal LM from a ``config.json``), runs
+:func:`offload.profile_step` on it and prints the report; ``--json`` and ``--plot`` save
+the profile and its timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+#: Defaults by device type: tiny on the CPU, "ref-8L" (8 Llama layers of 4096) on CUDA.
+_DEFAULTS = {
+    "cpu": {"layers": 2, "hidden": 128, "seq": 64, "batch": 1, "dtype": "float32"},
+    "cuda": {"layers": 8, "hidden": 4096, "seq": 4096, "batch": 1, "dtype": "bfloat16"},
+}
+_PROGRESS_AFTER_S = 2.0
+
+
+class CliError(Exception):
+    """A bad flag: the message names it and what it accepts."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``offload`` command."""
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description="Activation offloading to pinned host memory for PyTorch training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "profile",
+        help="measure memory saved and time spent by offloading on a model",
+        description=(
+            "Run forward + backward of a model without and with activation offloading "
+            "and report the memory saved, the step time, copy times and stalls per "
+            "layer. Model: the built-in Llama-style reference stack (sizes from the "
+            "flags below; defaults sized for the device) or --hf-config. Weights are "
+            "random; nothing is downloaded."
+        ),
+    )
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help=(
+            "a Hugging Face config.json (or its folder): AutoModelForCausalLM.from_config, "
+            "random weights, layers found with offload.find_layers; needs transformers"
+        ),
+    )
+    model.add_argument(
+        "--layers",
+        type=int,
+        help=(
+            "number of layers (with --hf-config: overrides num_hidden_layers); default 2 on "
+            "CPU, 8 on CUDA"
+        ),
+    )
+    model.add_argument("--hidden", type=int, help="model width; default 128 on CPU, 4096 on CUDA")
+    model.add_argument(
+        "--heads",
+        type=int,
+        help="attention heads; default hidden/128 (at least hidden/32 for small widths)",
+    )
+    model.add_argument("--ffn", type=int, help="MLP width; default 3.5 x hidden (14336 for 4096)")
+    model.add_argument("--seq", type=int, help="sequence length; default 64 on CPU, 4096 on CUDA")
+    model.add_argument("--batch", type=int, help="batch size; default 1")
+    model.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help=("parameter and activation dtype; default float32 on CPU, bfloat16 on CUDA"),
+    )
+    run = p.add_argument_group("run")
+    run.add_argument("--device", help="cpu, cuda or cuda:N; default cuda when available, else cpu")
+    run.add_argument(
+        "--offload-layers",
+        metavar="N|I,J,...",
+        help=(
+            "an int n (the first n layers) or a comma list of layer indices; default all but "
+            "the last"
+        ),
+    )
+    run.add_argument(
+        "--min-tensor-bytes",
+        type=int,
+        help=(
+            "saved tensors smaller than this stay on the device; default 262144 (the "
+            "offloader's), 0 on CPU where the default model's tensors are all smaller"
+        ),
+    )
+    run.add_argument("--steps", type=int, default=3, help="measured steps per phase; default 3")
+    run.add_argument("--warmup", type=int, default=1, help="warm-up steps per phase; default 1")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the profile as JSON")
+    out.add_argument(
+        "--plot",
+        metavar="PATH",
+        help=('write the timeline as a PNG (needs matplotlib: pip install "offload[plot]")'),
+    )
+    return parser
+
+
+def _positive(args: argparse.Namespace, name: str, minimum: int = 1) -> None:
+    value = getattr(args, name)
+    if value is not None and value < minimum:
+        flag = "--" + name.replace("_", "-")
+        raise CliError(f"{flag}={value}: must be an integer >= {minimum}")
+
+
+def _device(text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device={text!r}: accepted values are cpu, cuda, cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device={text!r}: accepted values are cpu, cuda, cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CliError(f"--device={text}: CUDA is not available here; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CliError(
+                f"--device={text}: only {torch.cuda.device_count()} CUDA device(s); "
+                f"accepted: cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+            )
+    return device
+
+
+def _offload_layers(text: str | None, num_layers: int) -> int | list[int] | None:
+    if text is None:
+        return None
+    accepted = (
+        f"accepted: an int 0..{num_layers} (the first n layers) or a comma list of "
+        f"indices in 0..{num_layers - 1}, e.g. {','.join(map(str, range(min(3, num_layers))))}"
+    )
+    try:
+        if "," not in text:
+            n = int(text)
+            if not 0 <= n <= num_layers:
+                raise CliError(f"--offload-layers={text}: out of range; {accepted}")
+            return n
+        indices = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CliError(f"--offload-layers={text!r}: not a number; {accepted}") from None
+    bad = [i for i in indices if not 0 <= i < num_layers]
+    if bad or len(set(indices)) != len(indices):
+        raise CliError(f"--offload-layers={text}: bad or repeated indices {bad}; {accepted}")
+    return indices
+
+
+def _check_plot(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError(
+            f'--plot {path}: matplotlib is not installed; pip install "offload[plot]"'
+        ) from None
+
+
+def _reference(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    """The reference stack, its layers and a step function."""
+    from offload._reference import ReferenceModel
+
+    defaults = _DEFAULTS[device.type]
+    layers = args.layers or defaults["layers"]
+    hidden = args.hidden or defaults["hidden"]
+    heads = args.heads or (hidden // 128 if hidden >= 1024 else max(1, hidden // 32))
+    ffn = args.ffn or max(64, round(hidden * 3.5 / 64) * 64)
+    if hidden % heads:
+        raise CliError(f"--heads={heads}: must divide --hidden={hidden}")
+    seq = args.seq or defaults["seq"]
+    batch = args.batch or defaults["batch"]
+    torch.manual_seed(0)
+    model = ReferenceModel(layers, hidden, heads, ffn, device=device, dtype=dtype)
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
+    description = (
+        f"reference Llama-style stack: {layers} layers, hidden {hidden}, {heads} heads, "
+        f"ffn {ffn}, seq {seq}, batch {batch}, {str(dtype).removeprefix('torch.')}"
+    )
+    return model, list(model.layers), (lambda: model.loss(x)), description
+
+
+def _hugging_face(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    """A Hugging Face causal LM from a config, random weights; its layers; a step."""
+    for flag in ("hidden", "heads", "ffn"):
+        if getattr(args, flag) is not None:
+            raise CliError(
+                f"--{flag} does not apply with --hf-config (edit the config instead); "
+                f"accepted with --hf-config: --layers, --seq, --batch, --dtype"
+            )
+    path = Path(args.hf_config)
+    if not path.exists():
+        raise CliError(f"--hf-config {path}: no such file or folder (a config.json or its folder)")
+    try:
+        import transformers
+    except ImportError:
+        raise CliError(
+            "--hf-config needs transformers: pip install transformers "
+            '(or pip install "offload[dev]")'
+        ) from None
+    from offload.integrations.hf import find_layers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CliError(f"--hf-config {path}: not a usable config ({exc})") from None
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(device=device, dtype=dtype).train()
+    layers = find_layers(model)
+    defaults = _DEFAULTS[device.type]
+    seq = args.seq or min(defaults["seq"], getattr(config, "max_position_embeddings", 10**9))
+    batch = args.batch or defaults["batch"]
+    vocab = config.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)
+    description = (
+        f"{type(model).__name__} from {path}: {len(layers)} layers, seq {seq}, batch {batch}, "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
+    return model, layers, (lambda: model(input_ids=tokens, labels=tokens).loss), description
+
+
+def _progress(console: Any) -> tuple[Callable[[str, int, int], None], Callable[[], None]]:
+    """A rich progress bar shown once the run has taken a few seconds (terminals only)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    started = time.perf_counter()
+    state: dict[str, Any] = {"progress": None, "task": None}
+
+    def update(phase: str, done: int, total: int) -> None:
+        bar = state["progress"]
+        if bar is None:
+            if not console.is_terminal or time.perf_counter() - started < _PROGRESS_AFTER_S:
+                return
+            bar = state["progress"] = Progress(
+                TextColumn("profiling: steps {task.fields[phase]} offloading"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+            bar.start()
+            state["task"] = bar.add_task("profile", total=total, phase=phase)
+        bar.update(state["task"], completed=done, phase=phase)
+
+    def stop() -> None:
+        if state["progress"] is not None:
+            state["progress"].stop()
+
+    return update, stop
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import offload
+
+    for name, minimum in (
+        ("layers", 1),
+        ("hidden", 1),
+        ("heads", 1),
+        ("ffn", 1),
+        ("seq", 1),
+        ("batch", 1),
+        ("steps", 1),
+        ("warmup", 0),
+        ("min_tensor_bytes", 0),
+    ):
+        _positive(args, name, minimum)
+    device = _device(args.device)
+    dtype = _DTYPES[args.dtype or _DEFAULTS[device.type]["dtype"]]
+    _check_plot(args.plot)
+    build = _hugging_face if args.hf_config else _reference
+    model, layers, loss_fn, description = build(args, device, dtype)
+    selection = _offload_layers(args.offload_layers, len(layers))
+    min_bytes = args.min_tensor_bytes
+    if min_bytes is None:
+        min_bytes = 0 if device.type == "cpu" else 256 * 1024
+    offloader = offload.ActivationOffloader(
+        layers, offload_layers=selection, min_tensor_bytes=min_bytes
+    )
+
+    def step() -> None:
+        with offloader:
+            loss = loss_fn()
+        loss.backward()
+
+    console = Console()
+    console.print(f"offload profile: {description}, on {device}")
+    update, stop = _progress(console)
+    try:
+        profile = offload.profile_step(
+            step,
+            offloader,
+            steps=args.steps,
+            warmup=args.warmup,
+            parameters=model.parameters(),
+            on_step=update,
+        )
+    finally:
+        stop()
+        offloader.close()
+    profile.report(console)
+    if args.json:
+        target = Path(args.json)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+        console.print(f"profile written to {target}")
+    if args.plot:
+        profile.plot(args.plot)
+        console.print(f"timeline written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``offload`` command; returns the exit status (0 ok, 2 bad flags).
+
+    Args:
+        argv: the arguments without the program name. Default ``None``: ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: from argparse, for ``--help`` and unparsable flags.
+
+    Example:
+        >>> main(["profile", "--device", "cpu", "--layers", "2", "--hidden", "64",
+        ...       "--seq", "16", "--steps", "1", "--warmup", "0"])  # doctest: +ELLIPSIS
+        offload profile: ...
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "profile":
+        parser.print_help()
+        return 2
+    try:
+        return _profile(args)
+    except CliError as exc:
+        print(f"offload profile: error: {exc}", file=sys.stderr)
+        return 2
