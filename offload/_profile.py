@@ -475,22 +475,6 @@ def _example_dict() -> dict[str, Any]:
 # the offloader's internals, in one place
 
 
-class _NoOpEntry:
-    """Mixed into a subclass of the offloader's class during the baseline phase:
-    ``with offloader:`` installs nothing (no layer hooks, no saved-tensor hooks) and only
-    counts its entries."""
-
-    def __enter__(self) -> Any:
-        self.__dict__["_profile_entries"] = self.__dict__.get("_profile_entries", 0) + 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NOOP_CLASSES: dict[type, type] = {}
-
-
 def _internals(offloader: Any) -> types.SimpleNamespace:
     """Every use of private state of ``offloader`` (an ActivationOffloader) by the
     profiler. Returns:
@@ -499,10 +483,9 @@ def _internals(offloader: Any) -> types.SimpleNamespace:
     * ``with_config(cfg)``: a context manager that makes ``cfg`` the config of the
       offloader and of its runtime (which the steps made meanwhile keep), then restores
       both (``offloader.config``, ``offloader._runtime.config``);
-    * ``disabled()``: a context manager during which ``with offloader:`` is a no-op (the
-      instance's class is swapped for a subclass whose ``__enter__``/``__exit__`` do
-      nothing, and ``offloader._disabled`` is ``True`` for an offloader that honours it);
-      it yields a callable returning how many times the context was entered;
+    * ``disabled()``: a context manager during which ``with offloader:`` is a no-op
+      (``offloader._disabled``: no hooks at all); it yields a callable returning how
+      many times the context was entered;
     * ``last_step()``: the object of the most recent forward (``offloader._last``);
     * ``copy_records()``: ``[(group index, record), ...]`` of that forward, each record
       ``(kind, start_event, end_event)`` (CUDA) or ``(kind, seconds)`` (synchronous
@@ -526,24 +509,12 @@ def _internals(offloader: Any) -> types.SimpleNamespace:
 
     @contextlib.contextmanager
     def disabled() -> Iterator[Callable[[], int]]:
-        cls = type(offloader)
-        noop = _NOOP_CLASSES.get(cls)
-        if noop is None:
-            noop = _NOOP_CLASSES[cls] = type(f"_Disabled{cls.__name__}", (_NoOpEntry, cls), {})
-        state = vars(offloader)
-        had_flag, old_flag = "_disabled" in state, state.get("_disabled")
-        state["_profile_entries"] = 0
-        offloader._disabled = True
-        offloader.__class__ = noop
+        old = offloader._disabled, offloader._disabled_entries
+        offloader._disabled, offloader._disabled_entries = True, 0
         try:
-            yield lambda: state.get("_profile_entries", 0)
+            yield lambda: offloader._disabled_entries
         finally:
-            offloader.__class__ = cls
-            state.pop("_profile_entries", None)
-            if had_flag:
-                offloader._disabled = old_flag
-            else:
-                state.pop("_disabled", None)
+            offloader._disabled, offloader._disabled_entries = old
 
     def copy_records() -> list[tuple[int, tuple[Any, ...]]]:
         step = offloader._last

@@ -540,7 +540,10 @@ class Step:
             copy = _Copy(group.index, c_start, c_end, version, block)
             copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
             self.backend.d2h(  # type: ignore[union-attr]
-                _packing.as_bytes(t, c_start, c_end), block.tensor, self.rt.pool.h2d_fence, group.times
+                _packing.as_bytes(t, c_start, c_end),
+                block.tensor,
+                self.rt.pool.h2d_fence,
+                group.times,
             )
             group.device_refs.append((t.detach(), version, copy))
             if copies is None:

@@ -191,6 +191,10 @@ class ActivationOffloader:
         self._groups_this_entry = 0
         self._warned: set[str] = set()
         self._closed = False
+        # profile_step's baseline: while set, `with offloader:` does nothing at all
+        # (no hooks), and only counts its entries.
+        self._disabled = False
+        self._disabled_entries = 0
 
     # ---- the context ----------------------------------------------------------------
 
@@ -213,6 +217,9 @@ class ActivationOffloader:
                 self._warn_nothing_offloaded(step)
 
     def __enter__(self) -> ActivationOffloader:
+        if self._disabled:
+            self._disabled_entries += 1
+            return self
         _claim_thread(self, "ActivationOffloader")
         try:
             self._closed = False
@@ -232,9 +239,7 @@ class ActivationOffloader:
                 self._hooks.append(
                     module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
                 )
-                self._hooks.append(
-                    module.register_forward_hook(self._layer_end, with_kwargs=True)
-                )
+                self._hooks.append(module.register_forward_hook(self._layer_end, with_kwargs=True))
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
@@ -245,6 +250,8 @@ class ActivationOffloader:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._disabled:
+            return
         step, self._step = self._step, None
         try:
             if exc_type is None:
@@ -283,11 +290,7 @@ class ActivationOffloader:
         if step is None:
             return
         groups = step.groups
-        if (
-            step.open is None
-            and len(groups) >= len(self._layers)
-            and module is groups[0].module
-        ):
+        if step.open is None and len(groups) >= len(self._layers) and module is groups[0].module:
             # The first layer again after a whole forward: the next forward (another
             # micro-batch) in the same context entry. It gets its own plan, so the
             # calls offloaded do not depend on how many forwards an entry holds.

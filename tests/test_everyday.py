@@ -106,7 +106,7 @@ def test_hooks_of_a_step_without_backward_go_at_next_forward() -> None:
                 h = layer(h)
         del h  # graph dropped without a backward (evaluation with grad enabled)
     with off:
-        h = layers[0](x)
+        layers[0](x)
     assert len(x._backward_hooks) <= 1  # only the forward in progress
 
 

@@ -86,7 +86,7 @@ def test_baseline_runs_without_hooks_and_state_is_restored(profiled) -> None:
     assert seen == [False] * (n + 1) + [True] * (n + 1)
     assert type(off) is offload.ActivationOffloader
     assert off.config.timing is False and off._runtime.config.timing is False
-    assert not hasattr(off, "_disabled") and not hasattr(off, "_profile_entries")
+    assert off._disabled is False
 
 
 def test_profile_fields(profiled) -> None:
