@@ -1,0 +1,174 @@
+"""Everyday-use regressions on a CUDA GPU: the plain attention idiom with cuDNN and
+flash SDPA, memory back at once after `del` (gc disabled), frozen weights under autocast,
+a caller-held input over many steps, race stress with tiny layers and long kernels.
+Run with ``PYTHONPATH=. python3 -m pytest -m cuda tests/test_everyday_cuda.py``."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import offload  # noqa: E402
+from tests import models  # noqa: E402
+from tests.models import assert_same, twin  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION"])
+def test_plain_attention_idiom_with_sdpa_backends(backend: str) -> None:
+    """``sdpa(q, k, v).transpose(1, 2).reshape(b, s, h)`` into the out-projection: the
+    saved input is a contiguous view whose base has other strides (TransformerEngine
+    2.20 raises on it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(256, 4, 512) for _ in range(4)).to(
+        DEV, torch.bfloat16
+    )
+    ref = twin(layers)
+    x = torch.randn(2, 256, 256, device=DEV, dtype=torch.bfloat16)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            for it in range(2):
+                xi = x + it
+                got = models.step(layers, xi, models.run_plain, off)
+                want = models.step(ref, xi, models.run_plain)
+                assert_same(got, want)
+                assert off.stats.bytes_offloaded > 0
+    except RuntimeError as e:  # backend not available for this GPU/build
+        if "No available kernel" in str(e):
+            pytest.skip(f"{backend} not available here: {e}")
+        raise
+
+
+def test_memory_back_at_once_after_del_with_gc_disabled() -> None:
+    torch.cuda.synchronize()
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        torch.manual_seed(0)
+        layers = nn.ModuleList(models.LlamaBlock(512, 8, 1024) for _ in range(4)).to(
+            DEV, torch.bfloat16
+        )
+        off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        x = torch.randn(2, 1024, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h)
+        h.float().square().mean().backward()
+        assert off.stats.bytes_offloaded > 0
+        del h, off, layers, x
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == base
+    finally:
+        gc.enable()
+
+
+def test_caller_held_input_no_hooks_left_and_memory_flat() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(128, 4, 256) for _ in range(4)).to(
+        DEV, torch.bfloat16
+    )
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(2, 128, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    allocated = []
+    for i in range(300):
+        h = x
+        with off:
+            for layer in layers:
+                h = layer(h)
+        h.float().square().mean().backward()
+        x.grad = None
+        assert not x._backward_hooks
+        if i >= 10:
+            allocated.append(torch.cuda.memory_allocated())
+    assert max(allocated) == min(allocated)
+
+
+class _Lora(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.a = nn.Linear(dim, 8, bias=False)
+        self.b = nn.Linear(8, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.base(x) + self.b(self.a(x)))
+
+
+def test_frozen_weight_casts_never_cross_the_link() -> None:
+    torch.manual_seed(0)
+    dim, n = 1024, 2048
+    layers = nn.ModuleList(_Lora(dim) for _ in range(3)).to(DEV)  # fp32 weights
+    ref = twin(layers)
+
+    def go(ls, off):
+        for p in ls.parameters():
+            p.grad = None
+        x = torch.randn(n, dim, device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+        x.requires_grad_(True)
+        with off if off is not None else models.contextlib.nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = models.run_plain(ls, x)
+        y.float().square().mean().backward()
+        return [p.grad.clone() for p in ls.parameters() if p.requires_grad]
+
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    got, want = go(layers, off), go(ref, None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for layer in off.stats.layers[:2]:
+        assert layer.bytes_offloaded > 0
+        assert layer.bytes_kept["parameter"] >= dim * dim * 2
+        assert layer.bytes_offloaded < dim * dim * 2  # no weight-sized cast travelled
+
+
+class _Tiny(nn.Module):
+    """Tiny layers with a long kernel between them: copies are the bottleneck and the
+    compute stream runs far ahead of the copy stream."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(self.fc(x))
+        torch.cuda._sleep(20_000)
+        return y * x
+
+
+def test_race_stress_tiny_layers_and_long_kernels() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Tiny() for _ in range(16)).to(DEV)
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0, prefetch_layers=1)
+    for it in range(30):
+        x = torch.randn(512, 64, device=DEV)
+        got = models.step(layers, x, models.run_plain, off)
+        want = models.step(ref, x, models.run_plain)
+        assert_same(got, want)
+    assert off.stats.bytes_offloaded > 0
