@@ -8,7 +8,7 @@ CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few se
 
     PYTHONPATH=. python3 benchmarks/bench_activations.py --quick --device cpu --out /tmp/b.json
 
-Model (PRIOR_ART.md "ref-8L"): L Llama-style layers, each
+Model (docs/measurements.md, "ref-8L"): L Llama-style layers, each
 ``x + out(SDPA_causal(qkv(RMSNorm(x))))`` then ``x + down(silu(gate) * up)`` with
 ``gate, up = gate_up(RMSNorm(x))`` (fused QKV and fused gate/up ``nn.Linear`` without
 bias, ``nn.RMSNorm``, no RoPE); hidden 4096, 32 heads, ffn 14336, 8 layers, seq 4096,
@@ -39,15 +39,15 @@ Columns (definitions):
   (``zero_grad(set_to_none=True)``) before each timed step, outside the timed span, as an
   optimizer's ``zero_grad`` does. Every raw time and the host wall time are in the JSON.
 * ``x none``: step ms / step ms of ``no offload`` measured in this process.
-* ``model ms``: the DESIGN.md section 6 bound for this k (see ``simulate_step_ms``),
+* ``model ms``: the docs/design.md section 6 bound for this k (see ``simulate_step_ms``),
   anchored on this run: no-offload step ms + (simulated step with offloading - simulated
   step without), from the measured F, B, S and W below.
 * ``act GiB``: peak activation memory = ``torch.cuda.max_memory_allocated()`` during the
   memory step minus ``torch.cuda.memory_allocated()`` just before it. The memory step
   keeps the gradients of the previous step (its backward accumulates into them), so
   "before" holds weights + gradients + the input and the difference is what the step
-  adds: saved activations, reload buffers and backward workspace (PRIOR_ART.md's
-  "peak allocated during the step minus weights and grads").
+  adds: saved activations, reload buffers and backward workspace (the definition of
+  "activation memory" in docs/measurements.md, section 1).
 * ``peak GiB``: ``max_memory_allocated()`` over the timed steps (absolute, all included).
 * ``D2H / step`` / ``H2D / step``: bytes sent each way in one step (the last timed step),
   printed in binary units (GiB = 2^30 B).
@@ -415,7 +415,7 @@ def measure_row(bench: Bench, runner: Runner, steps: int, warmup: int) -> dict[s
 
 
 # --------------------------------------------------------------------------------------
-# the performance model (DESIGN.md section 6)
+# the performance model (docs/design.md, section 6)
 
 
 def simulate_step_ms(
@@ -429,7 +429,7 @@ def simulate_step_ms(
 ) -> float:
     """Predicted forward + backward time with the groups ``offloaded`` (sorted) offloaded.
 
-    Event simulation of DESIGN.md sections 3 and 6: one compute stream (each layer F ms
+    Event simulation of docs/design.md, sections 3 and 6: one compute stream (each layer F ms
     forward, B ms backward) and one copy stream per direction running its copies in
     order. Offloaded group ``s_j`` (the j-th of k):
 
@@ -653,7 +653,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"{result['settings']['warmup']} warm-up ({clock}); act GiB: peak allocated "
         "during a step minus allocated before it (weights + grads + input); allocs / step: "
         "caching-allocator requests of the memory step (cudaMalloc calls); model ms: "
-        "DESIGN.md section 6 bound from F, B, S and pinned 1 GiB W, anchored on the "
+        "docs/design.md section 6 bound from F, B, S and pinned 1 GiB W, anchored on the "
         "measured no-offload step; GB/s: bytes / profiler copy time. Definitions: header "
         "of benchmarks/bench_activations.py."
     )

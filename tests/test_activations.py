@@ -1,5 +1,5 @@
 """ActivationOffloader on the CPU path: same gradients bit for bit, the right groups
-offloaded, originals freed, nothing leaked (DESIGN.md sections 2-5)."""
+offloaded, originals freed, nothing leaked (docs/design.md, sections 2-5)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def expected_offloaded(kind: str, selected: list[int], n: int) -> list[int]:
     """Groups that must report offloaded bytes.
 
     With reentrant checkpointing only the checkpoint's saved inputs reach the hooks,
-    after the layer's own hooks fired: they belong to the next group to open (DESIGN.md
+    after the layer's own hooks fired: they belong to the next group to open (docs/design.md,
     section 2), so group i carries layer i-1's input; group 0 carries nothing.
     """
     if kind == "checkpoint":

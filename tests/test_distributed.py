@@ -1,5 +1,5 @@
 """Activation offloading under FSDP2 and tensor parallelism, on CPU with gloo
-(2 processes spawned by the test). DESIGN.md 4.7 (FSDP2's unsharded parameters never
+(2 processes spawned by the test). docs/design.md 4.7 (FSDP2's unsharded parameters never
 travel) and 4.8 (DTensor activations are flattened and rebuilt)."""
 
 from __future__ import annotations

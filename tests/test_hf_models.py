@@ -233,7 +233,7 @@ def test_training_is_bitwise_equal(name: str, mode: str) -> None:
                 # older ones (4.57, 5.17) checkpoint `__call__`: the hooks run inside (and
                 # again, outside the context, in the recompute). Reentrant: the
                 # inputs are packed after the layer's group closed, so they belong to
-                # the next group (DESIGN.md section 2); layer 0's group saves nothing
+                # the next group (docs/design.md, section 2); layer 0's group saves nothing
                 groups = [{}, *inputs[: LAYERS - 2]]
             else:
                 # hooks inside, non-reentrant: the inputs are saved before the layer's

@@ -1,4 +1,4 @@
-"""The host pool: best-fit sub-allocation, merging, budget, close (DESIGN.md 4.2)."""
+"""The host pool: best-fit sub-allocation, merging, budget, close (docs/design.md 4.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""In-place changes to saved tensors raise like autograd does (DESIGN.md 4.6)."""
+"""In-place changes to saved tensors raise like autograd does (docs/design.md 4.6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""offload.nn.GroupedLinear: MoE experts, per-expert fused wgrad (DESIGN.md 4.9).
+"""offload.nn.GroupedLinear: MoE experts, per-expert fused wgrad (docs/design.md 4.9).
 
 The reference is one ``nn.Linear`` per expert applied to its rows. Tolerances as in
 test_nn_linear.py: fp32 on the CPU, the fused ``main_grad.addmm_(..., beta=1)`` may add

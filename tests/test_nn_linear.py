@@ -1,4 +1,4 @@
-"""offload.nn.Linear: fused weight-gradient accumulation into main_grad (DESIGN.md 4.9).
+"""offload.nn.Linear: fused weight-gradient accumulation into main_grad (docs/design.md 4.9).
 
 Tolerances. On the CPU, fp32 weights with an fp32 ``main_grad`` use one fused
 ``main_grad.addmm_(dY^T, X, beta=1)``: the GEMM may add ``main_grad`` into its partial

@@ -1,4 +1,4 @@
-"""The release/reload formulas of DESIGN.md section 3 and the TransformerEngine-style
+"""The release/reload formulas of docs/design.md, section 3 and the TransformerEngine-style
 manual API."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every kind of saved tensor round-trips exactly, or stays on the device with its reason
-(DESIGN.md 4.5, 4.7, 4.8)."""
+(docs/design.md 4.5, 4.7, 4.8)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tensor kinds on the GPU: torchao float8 training, an FP8 activation cache, autocast
-with fp32 weights on the ref-8L shapes (DESIGN.md 4.7, 4.8). torchao is optional: its
+with fp32 weights on the ref-8L shapes (docs/design.md 4.7, 4.8). torchao is optional: its
 test skips without it (on the GPU machine it is carried as a wheel)."""
 
 from __future__ import annotations
