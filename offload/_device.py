@@ -9,6 +9,7 @@ Two backends implement the same small interface:
   tensors anywhere): every copy happens at once on the calling thread and every event
   is ``None``.
 
+Numbers like 4.1(a) refer to the ordering invariants of ``docs/design.md``, section 4.
 The scheduler (``_scheduler.py``) decides *when* to copy, release and reload; this
 module only says *how*. See ``# Note [release order]`` in ``_scheduler.py`` for why each
 wait is where it is.
@@ -95,7 +96,7 @@ def _timed_event() -> torch.cuda.Event:
 
 
 class CudaBackend(Backend):
-    """Copies on side streams, ordered with events (DESIGN.md 3, invariants 4.1)."""
+    """Copies on side streams, ordered with events (docs/design.md 3, invariants 4.1)."""
 
     is_async = True
 

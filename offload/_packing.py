@@ -4,14 +4,14 @@ Pure functions, no state: the scheduler calls them from the pack and unpack hook
 
 * :func:`span` gives the minimal byte range of a tensor's storage that covers every
   element the tensor can address (views, transposes, slices, stride-0 expansions).
-  Several tensors over one storage share one copy when their spans nest (DESIGN.md 4.5).
+  Several tensors over one storage share one copy when their spans nest (docs/design.md 4.5).
 * :func:`rebuild` turns a reloaded byte span back into a tensor with the same dtype,
   shape and strides (the storage offset is relative to the span).
 * :func:`is_parameter_derived` says whether a saved tensor is a parameter in disguise
-  (DESIGN.md 4.7): ``nn.Linear`` saves ``weight.t()``, autocast saves
+  (docs/design.md 4.7): ``nn.Linear`` saves ``weight.t()``, autocast saves
   ``weight.to(bf16)``; neither is an ``nn.Parameter`` but neither is an activation.
 * :func:`flatten` splits wrapper tensor subclasses (``__tensor_flatten__``) into plain
-  inner tensors; :func:`unflatten` rebuilds them (DESIGN.md 4.8).
+  inner tensors; :func:`unflatten` rebuilds them (docs/design.md 4.8).
 * :func:`is_te_quantized` recognises TransformerEngine's quantized tensors, which are
   split with their own ``prepare_for_saving`` / ``restore_from_saved`` protocol.
 """

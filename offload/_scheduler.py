@@ -1,8 +1,15 @@
 """The per-forward state machine: which saved tensor goes where, and when.
 
-One :class:`Step` per forward (one entry of the offloader's context). It owns the
-groups of that forward (one per layer call), their copies and the handles autograd
-holds. Handles outlive the context; the step lives as long as any of them.
+One :class:`Step` per forward (a context entry holds one or more forwards: a new one
+starts when the first layer is called again after a whole forward). It owns the groups
+of that forward (one per layer call), their copies and the handles autograd holds.
+Handles outlive the context; the step lives as long as any of them.
+
+The package is split along these seams: ``_plan.py`` (which groups, release and reload
+points), ``_placement.py`` (keep or copy one tensor, and why), ``_handles.py`` (what
+autograd holds), ``_buffers.py`` (reload buffers and double buffering), ``_device.py``
+(streams and events), ``_host_pool.py`` (pinned memory) and this module (the life of a
+group). Numbers like 4.1(a) refer to the invariants of ``docs/design.md``, section 4.
 
 Note [release order]
 ~~~~~~~~~~~~~~~~~~~~
@@ -50,6 +57,11 @@ Backward (outside the context, possibly on autograd's device threads):
 7. *Death.* When the last handle of a copy dies, its host block returns to the pool.
    The next D2H into that block waits for the pool's H2D fence (step 1). A handle can die
    on any thread: if the lock is busy, the work is queued and done by the next caller.
+
+8. *Hooks.* The tensor hooks of steps 4 and 6 are removed when the step's backward is
+   over (every group with copies dropped; queued to the end of that backward with
+   autograd's ``queue_callback``), or at the next forward for a step whose graph died
+   without a backward. Nothing of a step outlives that but its stats.
 
 An exception inside the forward (``Step.abort``) waits for the outstanding D2H copies on
 the compute stream, drops every device reference and returns every host block at once;

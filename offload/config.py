@@ -31,7 +31,7 @@ class OffloadConfig:
         min_tensor_bytes: saved tensors whose copied bytes are fewer than this stay on the
             device (reason ``small``). Default ``256 * 1024``.
         prefetch_layers: ``None`` (default) reloads each group as early as the resident
-            bound of DESIGN.md section 3 allows; an ``int`` n >= 1 reloads a group when the
+            bound of docs/design.md section 3 allows; an ``int`` n >= 1 reloads a group when the
             backward of the layer n calls after it starts.
         pin_memory: use page-locked host memory (needed for copies that overlap compute).
             Ignored on a machine without an accelerator. Default ``True``.

@@ -1,4 +1,4 @@
-"""Helpers for ``main_grad`` buffers (DESIGN.md 4.9).
+"""Helpers for ``main_grad`` buffers (docs/design.md 4.9).
 
 A ``main_grad`` is a buffer beside a parameter (usually fp32, same shape) into which the
 fused layers of ``offload.nn`` write their weight gradients (``main_grad += dW``, or

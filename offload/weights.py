@@ -1,4 +1,4 @@
-"""Weight offloading (DESIGN.md 4.10)."""
+"""Weight offloading (docs/design.md 4.10)."""
 
 
 class WeightOffloader:  # placeholder: not part of this milestone

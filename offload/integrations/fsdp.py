@@ -4,7 +4,7 @@
 ``fuse_wgrad_accumulation=True``) write their weight gradient straight into the gradient
 that FSDP2 reduce-scatters, in FSDP's reduce dtype (fp32 with
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``), with
-no ``main_grad`` and no persistent full-size buffer per parameter (DESIGN.md 4.9).
+no ``main_grad`` and no persistent full-size buffer per parameter (docs/design.md 4.9).
 
 How FSDP2 handles an unsharded parameter's gradient (torch/distributed/fsdp/_fully_shard,
 torch 2.11 and 2.13):

@@ -1,4 +1,4 @@
-"""Layers whose weight gradients accumulate straight into ``main_grad`` (DESIGN.md 4.9).
+"""Layers whose weight gradients accumulate straight into ``main_grad`` (docs/design.md 4.9).
 
 - ``Linear``: ``torch.nn.Linear`` with ``fuse_wgrad_accumulation``.
 - ``GroupedLinear``: the experts of an MoE layer (TransformerEngine's parameter layout).

@@ -87,7 +87,7 @@ class _FusedLinearFunction(torch.autograd.Function):
 
 
 class Linear(nn.Linear):
-    """``torch.nn.Linear`` with optional fused weight-gradient accumulation (DESIGN.md 4.9).
+    """``torch.nn.Linear`` with optional fused weight-gradient accumulation (docs/design.md 4.9).
 
     Same constructor, initialisation, parameters (``weight`` [out, in], ``bias`` [out]) and
     state dict as ``torch.nn.Linear``. With ``fuse_wgrad_accumulation=False`` it *is*

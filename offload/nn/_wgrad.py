@@ -1,7 +1,7 @@
 """Weight-gradient plumbing shared by ``offload.nn.Linear`` and ``offload.nn.GroupedLinear``.
 
 This module answers one question for the fused layers: *where does dW go, and with which
-GEMM?* (DESIGN.md 4.9).
+GEMM?* (docs/design.md 4.9).
 
 Where dW goes, decided in backward for each weight:
 
