@@ -6,7 +6,12 @@ created until the first forward that offloads something.
 
 from offload import integrations, main_grad, nn
 from offload._profile import MemoryProfile, profile_step
-from offload.activations import ActivationOffloader, get_cpu_offload_context, no_offload
+from offload.activations import (
+    ActivationOffloader,
+    AttachHandle,
+    get_cpu_offload_context,
+    no_offload,
+)
 from offload.config import OffloadConfig
 from offload.integrations.hf import find_layers
 from offload.profiling import LayerStats, OffloadStats
@@ -17,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     # activation offloading
     "ActivationOffloader",
+    "AttachHandle",
     "OffloadConfig",
     "no_offload",
     "get_cpu_offload_context",

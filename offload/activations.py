@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -380,6 +381,92 @@ class ActivationOffloader:
         )
         return f"ActivationOffloader({len(self._layers)} layers, {fields})"
 
+    # ---- attached to a model's forward ------------------------------------------------
+
+    def attach(self, model: torch.nn.Module) -> AttachHandle:
+        """Enter this offloader around every forward of ``model``, for training loops you
+        do not own (Hugging Face ``Trainer``, Lightning, accelerate).
+
+        A forward pre-hook on ``model`` enters the context (as ``with offloader:``
+        would) and a forward hook leaves it when the forward returns. The hook is
+        registered with ``always_call=True``, so it also runs when the forward raises
+        an ``Exception``: the context is then left with that exception, which frees
+        everything the failed forward offloaded and removes every saved-tensor hook of
+        the thread. The backward runs outside the context, as usual. Whatever the
+        forward computes after the layers (the loss of a Hugging Face ``*ForCausalLM``)
+        is inside the context and stays on the device (reason ``outside_layers``).
+
+        A forward is left alone (nothing entered, nothing left) when:
+
+        * the offloader is already entered, by ``with offloader:`` or by an outer call of
+          ``model`` (``model.forward`` calling ``model``, generation loops): calls
+          nest, and only the outermost one enters and leaves;
+        * gradients are disabled (``torch.no_grad()``, ``torch.inference_mode()``:
+          evaluation, generation): nothing is saved for backward, and :attr:`stats`
+          keeps describing the last training forward.
+
+        One forward at a time per offloader, as with ``with offloader:``.
+
+        Args:
+            model: the module whose forward runs ``layers`` (typically the whole model,
+                the one the training loop calls).
+
+        Returns:
+            An :class:`AttachHandle`: ``handle.remove()`` removes both hooks
+            (idempotent); ``with offloader.attach(model):`` removes them at the end
+            of the block. :meth:`detach` removes every attachment of this offloader.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: ``model`` is already attached to this offloader.
+
+        Example:
+            >>> layers = [torch.nn.Linear(512, 512) for _ in range(4)]
+            >>> model = torch.nn.Sequential(*layers)
+            >>> offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+            >>> handle = offloader.attach(model)
+            >>> x = torch.randn(64, 512, requires_grad=True)
+            >>> loss = model(x).square().mean()  # the forward offloads; no `with` needed
+            >>> loss.backward()
+            >>> offloader.stats.bytes_offloaded > 0
+            True
+            >>> handle.remove()
+            >>> offloader.close()
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"attach() takes the nn.Module whose forward runs the layers; got "
+                f"{type(model).__name__}"
+            )
+        # Weak references: the model's hooks keep a handle alive, and a strong reference
+        # back from the offloader would make a cycle only the garbage collector frees.
+        attachments: list[weakref.ref[AttachHandle]] = self.__dict__.setdefault(
+            "_attachments", []
+        )
+        attachments[:] = [r for r in attachments if r() is not None]
+        for ref in attachments:
+            other = ref()
+            if other is not None and other.model is model:
+                raise ValueError(
+                    f"this {type(model).__name__} is already attached to this offloader; "
+                    f"call remove() on the first handle (or offloader.detach()) before "
+                    f"attaching it again"
+                )
+        handle = AttachHandle(self, model)
+        attachments.append(weakref.ref(handle))
+        return handle
+
+    def detach(self) -> None:
+        """Remove every attachment made by :meth:`attach` (``remove()`` on each handle).
+
+        Idempotent. A forward that an attachment entered and that has not returned yet is
+        left as if it had raised (what it offloaded is freed).
+        """
+        for ref in list(self.__dict__.get("_attachments", ())):
+            handle = ref()
+            if handle is not None:
+                handle.remove()
+
 
 class no_offload(contextlib.ContextDecorator):
     """Keep tensors saved in this block (or decorated function) on the device.
@@ -551,3 +638,106 @@ def get_cpu_offload_context(
     config = OffloadConfig(offload_layers=num_layers, double_buffering=double_buffering)
     ctx = _ManualContext(num_layers, model_layers, config)
     return ctx, ctx.sync
+
+
+# --------------------------------------------------------------------------------------
+# ActivationOffloader.attach
+
+
+class AttachHandle:
+    """What :meth:`ActivationOffloader.attach` returns: the two hooks on the model.
+
+    ``remove()`` takes them off (idempotent); as a context manager, the block's end
+    removes them. ``model`` is the attached module (``None`` once it was garbage
+    collected), ``removed`` whether :meth:`remove` ran.
+    """
+
+    def __init__(self, offloader: ActivationOffloader, model: torch.nn.Module) -> None:
+        import threading
+        import weakref
+
+        self._offloader = offloader
+        self._model = weakref.ref(model)
+        self.removed = False
+        # Per thread: one frame per call of the model in flight, (entered, exception
+        # being handled when the call started); the outermost call that found the
+        # offloader free enters it, nested calls only push a frame.
+        self._local = threading.local()
+        self._hooks = [
+            model.register_forward_pre_hook(self._forward_start, prepend=True),
+            model.register_forward_hook(self._forward_end, always_call=True),
+        ]
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model()
+
+    def _frames(self) -> list[tuple[bool, BaseException | None]]:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    def _forward_start(self, module: torch.nn.Module, args: Any) -> None:
+        import sys
+
+        frames = self._frames()
+        off = self._offloader
+        # sys.exc_info() here is an exception the *caller* is handling (a forward run
+        # inside an `except` block); _forward_end must not take it for the forward's own
+        frames.append((False, sys.exc_info()[1]))
+        if off._step is None and torch.is_grad_enabled():
+            off.__enter__()
+            frames[-1] = (True, frames[-1][1])
+
+    def _forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        import sys
+
+        frames = self._frames()
+        if not frames:  # a global pre-hook raised before ours ran
+            return
+        entered, outer = frames.pop()
+        off = self._offloader
+        if not entered or off._step is None:
+            return
+        exc_type, exc, tb = sys.exc_info()
+        if exc is None or exc is outer:
+            off.__exit__(None, None, None)
+        else:  # called by always_call: the forward (or a hook before ours) raised
+            off.__exit__(exc_type, exc, tb)
+
+    def remove(self) -> None:
+        """Remove the hooks from the model. Idempotent.
+
+        Removing them while a forward they entered has not returned (from inside that
+        forward, or after a ``KeyboardInterrupt``, which module hooks do not see) leaves
+        the context as an exception would: what that forward offloaded is freed.
+        """
+        if self.removed:
+            return
+        self.removed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        attachments = self._offloader.__dict__.get("_attachments", [])
+        attachments[:] = [r for r in attachments if r() is not None and r() is not self]
+        frames = self._frames()
+        entered = any(e for e, _ in frames)
+        frames.clear()
+        if entered and self._offloader._step is not None:
+            error = RuntimeError(
+                "offload: the attachment was removed while a forward it entered was running"
+            )
+            self._offloader.__exit__(RuntimeError, error, None)
+
+    def __enter__(self) -> AttachHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        model = self.model
+        name = "<collected>" if model is None else type(model).__name__
+        state = "removed" if self.removed else "attached"
+        return f"AttachHandle({name}, {state})"

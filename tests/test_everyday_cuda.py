@@ -166,7 +166,7 @@ def test_race_stress_tiny_layers_and_long_kernels() -> None:
     layers = nn.ModuleList(_Tiny() for _ in range(16)).to(DEV)
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0, prefetch_layers=1)
-    for it in range(30):
+    for _ in range(30):
         x = torch.randn(512, 64, device=DEV)
         got = models.step(layers, x, models.run_plain, off)
         want = models.step(ref, x, models.run_plain)

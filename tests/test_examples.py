@@ -98,6 +98,20 @@ def test_hf_llama_rejects_bad_arguments() -> None:
     assert "invalid choice: '7b'" in proc.stderr
 
 
+# ---- examples/hf_trainer.py ----------------------------------------------------------
+
+
+def test_hf_trainer() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    path = _example("hf_trainer.py")
+    out = _run([str(path), "--steps", "2", "--device", "cpu"])
+    assert len(_losses(out, r"step \d+: loss ([\d.]+)")) == 2
+    match = re.search(r"bytes offloaded in the last step: (\d+)", out)
+    assert match and int(match.group(1)) > 0, out
+    assert "offload: saved tensors of the last forward" in out  # offloader.report()
+
+
 # ---- examples/te_compat.py -----------------------------------------------------------
 
 
