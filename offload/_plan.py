@@ -76,7 +76,7 @@ def resolve_selection(selection: LayerSelection, num_groups: int) -> Callable[[i
     """``offload_layers`` as ``select(index, module) -> bool`` for a forward of
     ``num_groups`` calls. ``None`` selects every call but the last one planned, so a call
     past the plan (a longer forward than the last) is never offloaded by default."""
-    if selection is None:
+    if selection is None or selection in ("all", "auto"):  # "auto" off the accelerator
         return lambda i, m: i < num_groups - 1
     if isinstance(selection, int):
         return lambda i, m: i < selection
@@ -99,7 +99,7 @@ def plan_forward(
 
 def check_selection(selection: LayerSelection, num_groups: int) -> None:
     """Raise ``ValueError`` when ``offload_layers`` does not fit ``num_groups`` layers."""
-    if isinstance(selection, bool) or selection is None or callable(selection):
+    if isinstance(selection, (bool, str)) or selection is None or callable(selection):
         return
     if isinstance(selection, int):
         if selection > num_groups:

@@ -136,7 +136,8 @@ def legend(stats: OffloadStats) -> str:
 def stats_summary(stats: OffloadStats) -> str:
     """One line: sent, kept by reason (non-zero only), host pool."""
     kept = ", ".join(f"{k} {format_bytes(v)}" for k, v in stats.bytes_kept.items() if v)
-    return (
+    auto = f"auto: {stats.auto['reason']}. " if stats.auto else ""
+    return auto + (
         f"offloaded {format_bytes(stats.bytes_offloaded)} "
         f"(freed {format_bytes(stats.bytes_released)} on the device) in "
         f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "

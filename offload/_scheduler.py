@@ -73,6 +73,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import time
 from typing import Any
 
 import torch
@@ -133,6 +134,14 @@ def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch
             for item in obj.values():
                 _tensors_in(item, out, depth + 1)
     return out
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    """Seconds between two marks of :meth:`Step._mark`."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
 
 
 def _remove_all(hooks: list[Any]) -> None:
@@ -209,6 +218,8 @@ class _Group:
         "inputs_expected",
         "inputs_seen",
         "times",
+        "marks",
+        "candidates",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -229,6 +240,8 @@ class _Group:
         self.inputs_expected = 0
         self.inputs_seen = 0
         self.times: list[tuple[Any, ...]] | None = None  # timing records (timing=True)
+        self.marks: dict[str, Any] | None = None  # probe: f0/f1/b0/b1 time marks
+        self.candidates: dict[int, int] | None = None  # probe: storage -> bytes
 
 
 # --------------------------------------------------------------------------------------
@@ -303,6 +316,10 @@ class Step:
         self.hooks: list[Any] = []
         self.awaiting = 0  # groups with copies whose backward has not ended yet
         self.buffers = ReloadBuffers(self.cfg.double_buffering)
+        #: a measuring forward of offload_layers="auto": nothing is offloaded, each group
+        #: records its compute times and the bytes it would offload (offload/_auto.py)
+        self.probe = False
+        self.candidate_owner: dict[int, int] = {}
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -337,10 +354,15 @@ class Step:
                     self._release(self.groups[j])
             pending, self.pending = self.pending, []
             for handle, t in pending:
-                if offload:
+                if offload or self.probe:
                     handle.inner = self._place(t, group)
                 else:
                     group.stats.bytes_kept["not_selected"] += _nbytes(t)
+        if self.probe:
+            group.marks = {"f0": self._mark()}
+            group.candidates = {}
+            for t in _tensors_in(inputs, []):
+                self.hooks.append(t.register_hook(functools.partial(self._probe, group, "b1")))
         if offload and inputs is not None:
             tensors = _tensors_in(inputs, [])
             group.inputs_expected = len(tensors)
@@ -364,6 +386,15 @@ class Step:
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
             index = group.index
+        if group.marks is not None:
+            group.marks["f1"] = self._mark()
+            tensors = _tensors_in(outputs, [])
+            if tensors:
+                self.hooks.append(
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, functools.partial(self._probe, group, "b0"), mode="any"
+                    )
+                )
         if outputs is not None:
             self.register_trigger(index, outputs)
 
@@ -398,7 +429,7 @@ class Step:
                         group.d2h_done = self.backend.record_d2h()
                     self._release(group)
             self.awaiting = sum(1 for g in self.groups if g.copies)
-        if not self.awaiting:
+        if not self.awaiting and not self.probe:
             self.backward_done = True  # nothing to reload: no hook is needed
             self.remove_hooks()
 
@@ -452,7 +483,7 @@ class Step:
             if not self.groups or self.forward_done:
                 self.outside["outside_layers"] += _nbytes(t)
                 return Kept(t)
-        elif not group.offload:
+        elif not group.offload and not self.probe:
             group.stats.bytes_kept["not_selected"] += _nbytes(t)
             return Kept(t)
         with self.rt.lock:
@@ -516,6 +547,14 @@ class Step:
         nbytes = end - start
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
+        if not group.offload:  # a measuring forward: count what would travel
+            storage = t.untyped_storage()
+            key, total = storage._cdata, storage.nbytes()
+            owner = self.candidate_owner.setdefault(key, group.index)
+            if owner == group.index and group.candidates is not None:
+                size = total if 2 * nbytes >= total else nbytes
+                group.candidates[key] = max(group.candidates.get(key, 0), size)
+            return self._keep("not_selected", group, t)
 
         version = t._version
         storage = t.untyped_storage()
@@ -738,6 +777,36 @@ class Step:
             group.live -= 1
             if group.live == 0:
                 self._drop(group)
+
+    # ---- measuring forwards (offload_layers="auto") ------------------------------------
+
+    def _mark(self) -> Any:
+        """A time mark on the current stream: a CUDA event, or the host clock."""
+        device = self.device
+        if device is not None and device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _probe(self, group: _Group, kind: str, _grad: Any) -> None:
+        """``b0``: the first output gradient arrived (the layer's backward starts);
+        ``b1``: an input gradient is complete (the last one marks the end)."""
+        if group.marks is not None and (kind == "b1" or kind not in group.marks):
+            group.marks[kind] = self._mark()
+
+    def probe_costs(self) -> list[tuple[float, float, int]] | None:
+        """``(forward s, backward s, bytes)`` per group of a measuring forward, or
+        ``None`` while its backward has not run. Waits on the host for the marks."""
+        out = []
+        for g in self.groups:
+            m = g.marks or {}
+            if "f0" not in m or "f1" not in m or "b0" not in m:
+                return None
+            fwd = _elapsed(m["f0"], m["f1"])
+            bwd = _elapsed(m["b0"], m["b1"]) if "b1" in m else 2.0 * fwd
+            out.append((fwd, bwd, sum((g.candidates or {}).values())))
+        return out or None
 
     # ---- stats -----------------------------------------------------------------------
 

@@ -120,7 +120,7 @@ class ActivationOffloader:
         self,
         layers: Sequence[torch.nn.Module],
         *,
-        offload_layers: LayerSelection = None,
+        offload_layers: LayerSelection = "auto",
         min_tensor_bytes: int = 256 * 1024,
         prefetch_layers: int | None = None,
         pin_memory: bool = True,
@@ -128,6 +128,7 @@ class ActivationOffloader:
         double_buffering: bool = False,
         tensor_filter: Callable[[torch.Tensor], bool] | None = None,
         timing: bool = False,
+        max_slowdown: float = 0.03,
         config: OffloadConfig | None = None,
     ) -> None:
         given = {
@@ -139,6 +140,7 @@ class ActivationOffloader:
             "double_buffering": double_buffering,
             "tensor_filter": tensor_filter,
             "timing": timing,
+            "max_slowdown": max_slowdown,
         }
         if config is not None:
             if not isinstance(config, OffloadConfig):
@@ -173,10 +175,11 @@ class ActivationOffloader:
             if not isinstance(layer, torch.nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
         check_selection(config.offload_layers, len(layers))
-        if config.offload_layers is None and len(layers) == 1:
+        if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
             warn_at_caller(
-                "offload: ActivationOffloader got one layer and offload_layers=None (all "
-                "but the last), so nothing will be offloaded. Pass the model's repeated "
+                f"offload: ActivationOffloader got one layer and offload_layers="
+                f"{config.offload_layers!r} (never the last call), so nothing will be "
+                f"offloaded. Pass the model's repeated "
                 "blocks (offload.find_layers(model), e.g. model.model.layers), or "
                 "offload_layers=1 to offload that one layer."
             )
@@ -196,6 +199,7 @@ class ActivationOffloader:
         # (no hooks), and only counts its entries.
         self._disabled = False
         self._disabled_entries = 0
+        self._auto = _Auto() if config.offload_layers == "auto" else None
 
     # ---- the context ----------------------------------------------------------------
 
@@ -297,6 +301,8 @@ class ActivationOffloader:
             # calls offloaded do not depend on how many forwards an entry holds.
             self._end_forward(step)
             step = self._new_step()
+        if self._auto is not None and not step.groups:
+            self._auto.prepare(self, step, (args, kwargs))
         step.open_group(module, (args, kwargs))
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -440,9 +446,7 @@ class ActivationOffloader:
             )
         # Weak references: the model's hooks keep a handle alive, and a strong reference
         # back from the offloader would make a cycle only the garbage collector frees.
-        attachments: list[weakref.ref[AttachHandle]] = self.__dict__.setdefault(
-            "_attachments", []
-        )
+        attachments: list[weakref.ref[AttachHandle]] = self.__dict__.setdefault("_attachments", [])
         attachments[:] = [r for r in attachments if r() is not None]
         for ref in attachments:
             other = ref()
@@ -466,6 +470,72 @@ class ActivationOffloader:
             handle = ref()
             if handle is not None:
                 handle.remove()
+
+
+class _Auto:
+    """The state of ``offload_layers="auto"`` for one offloader (offload/_auto.py says
+    how it decides): one decision per input signature, made from a measuring forward."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[Any, Any] = {}
+        self.probes: dict[Any, Step] = {}
+        #: measure and decide on the CPU path too (tests inject timings this way)
+        self.measure_on_cpu = False
+
+    @staticmethod
+    def signature(inputs: Any) -> tuple[Any, ...]:
+        """Shapes and dtypes of the first layer's tensor arguments (one level deep)."""
+        args, kwargs = inputs
+        out = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                out.append((tuple(value.shape), value.dtype, value.device))
+        return tuple(out)
+
+    def prepare(self, off: ActivationOffloader, step: Step, inputs: Any) -> None:
+        """Before the first group of ``step`` opens: give it the plan decided for these
+        inputs, or make it a measuring forward."""
+        from offload import _auto
+
+        key = self.signature(inputs)
+        devices = [d for _, _, d in key]
+        device = devices[0] if devices else None
+        if device is None or (device.type != "cuda" and not self.measure_on_cpu):
+            step.stats.auto = {
+                "reason": "no accelerator: there is no overlap to measure and no device "
+                "memory to save; 'auto' selects like 'all' (every call but the last)"
+            }
+            return
+        decision = self.decisions.get(key)
+        if decision is None:
+            probe = self.probes.get(key)
+            costs = probe.probe_costs() if probe is not None else None
+            if costs is not None:
+                d2h, h2d = _auto.link_bandwidth(device)
+                decision = _auto.choose(
+                    [_auto.LayerCost(*c) for c in costs],
+                    d2h,
+                    h2d,
+                    off.config.max_slowdown,
+                    off.config.prefetch_layers,
+                )
+                self.decisions[key] = decision
+                del self.probes[key]
+        if decision is None:  # measure this forward: nothing offloaded
+            step.plan = plan_forward([], off._calls, off.config.prefetch_layers)
+            step.probe = True
+            step.device, step.backend = device, off._runtime.backend(device)
+            self.probes[key] = step
+            step.stats.auto = {
+                "reason": "measuring: the first forward of these input shapes offloads "
+                "nothing and times every layer; the next one offloads what the link hides"
+            }
+            return
+        calls = off._calls
+        if len(calls) != decision.num_groups:
+            calls = [None] * decision.num_groups
+        step.plan = plan_forward(tuple(decision.offloaded), calls, off.config.prefetch_layers)
+        step.stats.auto = decision.to_dict()
 
 
 class no_offload(contextlib.ContextDecorator):

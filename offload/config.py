@@ -9,11 +9,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["OffloadConfig", "LayerSelection"]
+__all__ = ["OffloadConfig", "LayerSelection", "SELECTION_MODES"]
 
-#: What ``offload_layers`` accepts: ``None`` (all but the last), ``int`` n (the first n),
-#: a sequence of indices, or ``callable(index, module) -> bool``.
-LayerSelection = None | int | Sequence[int] | Callable[[int, torch.nn.Module], bool]
+#: What ``offload_layers`` accepts: ``"auto"`` (as many as the link hides), ``"all"`` or
+#: ``None`` (all but the last), ``int`` n (the first n), a sequence of indices, or
+#: ``callable(index, module) -> bool``.
+LayerSelection = None | str | int | Sequence[int] | Callable[[int, torch.nn.Module], bool]
+
+#: The strings ``offload_layers`` accepts.
+SELECTION_MODES = ("auto", "all")
 
 
 def _type_name(value: Any) -> str:
@@ -25,9 +29,13 @@ class OffloadConfig:
     """Settings of an :class:`~offload.ActivationOffloader`, validated at construction.
 
     Args:
-        offload_layers: which layer calls (groups) are offloaded. ``None`` (default) means
-            all but the last; an ``int`` n means the first n; a sequence of ``int`` selects
-            by index; a ``callable(index, module) -> bool`` decides per call.
+        offload_layers: which layer calls (groups) are offloaded. ``"auto"`` (default):
+            measure the first forward of each input shape (nothing offloaded) and then
+            offload the longest prefix of layers whose copies the link hides within
+            ``max_slowdown``; on a machine without an accelerator, like ``"all"``.
+            ``"all"`` or ``None``: all but the last. An ``int`` n: the first n; a
+            sequence of ``int`` selects by index; a ``callable(index, module) -> bool``
+            decides per call.
         min_tensor_bytes: saved tensors whose copied bytes are fewer than this stay on the
             device (reason ``small``). Default ``256 * 1024``.
         prefetch_layers: ``None`` (default) reloads each group as early as the resident
@@ -41,6 +49,9 @@ class OffloadConfig:
             during one backward. Default ``False`` (see README, "Double buffering").
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps the tensor on the
             device (reason ``filtered``). Default ``None`` (no filter).
+        max_slowdown: the step-time increase ``"auto"`` may spend, as a fraction of the
+            step without offloading (predicted from measured compute and link times).
+            Default ``0.03``.
         timing: record the time of every copy (CUDA events; host clock on the
             synchronous path) and of every wait of the compute stream for a copy, per
             layer, in the stats. Default ``False``.
@@ -55,7 +66,7 @@ class OffloadConfig:
         2
     """
 
-    offload_layers: LayerSelection = None
+    offload_layers: LayerSelection = "auto"
     min_tensor_bytes: int = 256 * 1024
     prefetch_layers: int | None = None
     pin_memory: bool = True
@@ -63,9 +74,18 @@ class OffloadConfig:
     double_buffering: bool = False
     tensor_filter: Callable[[torch.Tensor], bool] | None = None
     timing: bool = False
+    max_slowdown: float = 0.03
 
     def __post_init__(self) -> None:
         sel = self.offload_layers
+        if isinstance(sel, str):
+            if sel not in SELECTION_MODES:
+                raise ValueError(
+                    f"offload_layers={sel!r} is not a mode; accepted strings: "
+                    f"{', '.join(repr(m) for m in SELECTION_MODES)} (or None, an int, a "
+                    f"sequence of ints, a callable(index, module) -> bool)"
+                )
+            sel = None  # validated; the checks below are for the other forms
         if callable(sel) and not isinstance(sel, (int, Sequence)):
             _check_selector(sel)
         if sel is not None and not callable(sel):
@@ -108,6 +128,16 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {_type_name(value)} {value!r}")
+        if isinstance(self.max_slowdown, bool) or not isinstance(self.max_slowdown, (int, float)):
+            raise TypeError(
+                f"max_slowdown must be a float (a fraction, e.g. 0.03); got "
+                f"{_type_name(self.max_slowdown)} {self.max_slowdown!r}"
+            )
+        if not 0.0 <= self.max_slowdown <= 10.0:
+            raise ValueError(
+                f"max_slowdown={self.max_slowdown}: must be a fraction between 0 and 10 "
+                f"(0.03 = 3% slower at most)"
+            )
         if self.tensor_filter is not None and not callable(self.tensor_filter):
             raise TypeError(
                 f"tensor_filter must be None or a callable(tensor) -> bool; got "

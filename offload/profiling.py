@@ -89,6 +89,9 @@ class OffloadStats:
         host_pool_bytes: host bytes handed out by the pool now.
         host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
         host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
+        auto: with ``offload_layers="auto"``, what was chosen for this forward and why
+            (``"reason"``: one sentence; after a decision also ``"offloaded"``,
+            ``"predicted_ratio"``, the measured ``"costs"`` and link GB/s); else ``None``.
     """
 
     bytes_offloaded: int = 0
@@ -100,6 +103,7 @@ class OffloadStats:
     host_pool_bytes: int = 0
     host_pool_reserved_bytes: int = 0
     host_pool_peak_bytes: int = 0
+    auto: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""

@@ -21,7 +21,9 @@ def layers(n: int = 3) -> list[nn.Module]:
 @pytest.mark.parametrize(
     ("kwargs", "error", "names"),
     [
-        ({"offload_layers": "all"}, TypeError, "offload_layers"),
+        ({"offload_layers": "some"}, ValueError, "accepted strings"),
+        ({"max_slowdown": "3%"}, TypeError, "max_slowdown"),
+        ({"max_slowdown": -0.1}, ValueError, "max_slowdown"),
         ({"offload_layers": True}, TypeError, "offload_layers"),
         ({"offload_layers": -1}, ValueError, "offload_layers"),
         ({"offload_layers": 4}, ValueError, "offload_layers=4"),
