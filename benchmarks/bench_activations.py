@@ -8,7 +8,18 @@ CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few se
 
     PYTHONPATH=. python3 benchmarks/bench_activations.py --quick --device cpu --out /tmp/b.json
 
-Model (PRIOR_ART.md "ref-8L"): L Llama-style layers, each
+Many small layers (``--preset tiny48``: 48 layers, hidden 256, 4 heads, ffn 704, seq 256,
+batch 4; median of 15 steps by default; its default rows: no offload, ``offload k=0``
+(hooks only: every saved tensor goes through the offloader and stays), ``offload k=47``
+(the library default, all layers but the last), ``save_on_cpu``, checkpointing)::
+
+    PYTHONPATH=. python3 benchmarks/bench_activations.py --preset tiny48 --out tiny48.json
+
+``--methods`` picks the kinds of rows (``none,offload,save_on_cpu,checkpoint``, all by
+default; ``none`` always runs, it is the reference of ``x none``) and ``--ks`` the
+``offload_layers`` values of the offload rows.
+
+Model ("ref-8L" by default): L Llama-style layers, each
 ``x + out(SDPA_causal(qkv(RMSNorm(x))))`` then ``x + down(silu(gate) * up)`` with
 ``gate, up = gate_up(RMSNorm(x))`` (fused QKV and fused gate/up ``nn.Linear`` without
 bias, ``nn.RMSNorm``, no RoPE); hidden 4096, 32 heads, ffn 14336, 8 layers, seq 4096,
@@ -20,7 +31,9 @@ Rows, all in this one process:
 * ``no offload``;
 * ``offload k=n``: ``offload.ActivationOffloader(layers, offload_layers=n)``, other
   settings at their defaults (``--quick`` sets ``min_tensor_bytes=0`` so that its tiny
-  tensors are offloaded at all); the context covers the layers and the loss;
+  tensors are offloaded at all); the context covers the layers and the loss. ``k=L-1``
+  is marked ``(default)`` when every other setting is the library's (it is what
+  ``offload_layers=None`` does), ``k=0`` is marked ``(hooks only)``;
 * ``offload k=L-1 double_buffering`` with ``--double-buffering-compare``;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the
   layers only (same scope as the offloader: the loss stays outside);
@@ -74,7 +87,7 @@ import dataclasses
 import gc
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +127,27 @@ class ModelConfig:
 
 
 QUICK = ModelConfig(hidden=64, heads=4, ffn=128, layers=4, seq=32, batch=1)
+
+
+def _ref_ks(num_layers: int) -> list[int]:
+    return sorted({k for k in (1, 2, 4, num_layers - 1) if 1 <= k <= num_layers - 1})
+
+
+def _tiny48_ks(num_layers: int) -> list[int]:
+    return sorted({0, num_layers - 1})
+
+
+#: ``--preset`` name -> (sizes, default --steps, default --ks as a function of L, its text)
+PRESETS: dict[str, tuple[ModelConfig, int, Callable[[int], list[int]], str]] = {
+    "ref-8L": (ModelConfig(), 7, _ref_ks, "1,2,4,L-1 within 1..L-1"),
+    "tiny48": (
+        ModelConfig(hidden=256, heads=4, ffn=704, layers=48, seq=256, batch=4),
+        15,
+        _tiny48_ks,
+        "0,L-1",
+    ),
+}
+METHODS = ("none", "offload", "save_on_cpu", "checkpoint")
 
 
 class Block(nn.Module):
@@ -199,6 +233,10 @@ class Offloaded(Runner):
             kwargs["min_tensor_bytes"] = min_tensor_bytes
         self.offloader = offload.ActivationOffloader(layers, **kwargs)
         self.name = f"offload k={k}" + (" double_buffering" if double_buffering else "")
+        if k == 0:
+            self.name += " (hooks only)"
+        elif k == len(layers) - 1 and not double_buffering and min_tensor_bytes is None:
+            self.name += " (default)"
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         with self.offloader:
@@ -668,15 +706,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    size = parser.add_argument_group("model sizes (default: ref-8L; --quick: tiny)")
+    size = parser.add_argument_group("model sizes (default: the preset's; --quick: tiny)")
+    size.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="ref-8L",
+        help="model sizes, default --steps and --ks: "
+        + "; ".join(
+            f"{name}: {dataclasses.asdict(cfg)}, {steps} steps, ks {ks}"
+            for name, (cfg, steps, _, ks) in PRESETS.items()
+        ),
+    )
     for name in ("hidden", "ffn", "heads", "layers", "seq", "batch"):
         size.add_argument(f"--{name}", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per row (>= 5)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per row (>= 5; default: preset's)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated kinds of rows among " + ",".join(METHODS) + " (none always runs)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per row (>= 1)")
     parser.add_argument(
         "--ks",
         default=None,
-        help="comma-separated offload_layers values (default: 1,2,4,L-1 within 1..L-1)",
+        help="comma-separated offload_layers values, 0 <= k <= L (default: the preset's)",
     )
     parser.add_argument("--out", required=True, help="path of the JSON result")
     parser.add_argument("--device", default="cuda")
@@ -698,7 +753,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
 
-    base = QUICK if args.quick else ModelConfig()
+    if args.quick and args.preset != "ref-8L":
+        parser.error("--quick and --preset are exclusive (--quick has its own tiny sizes)")
+    preset, preset_steps, preset_ks, _ = PRESETS[args.preset]
+    base = QUICK if args.quick else preset
+    if args.steps is None:
+        args.steps = preset_steps
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; accepted: {','.join(METHODS)}")
+    args.methods = [m for m in METHODS if m in methods or m == "none"]
     args.model = dataclasses.replace(
         base,
         **{
@@ -710,8 +775,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.quick and args.min_tensor_bytes is None:
         args.min_tensor_bytes = 0
     L = args.model.layers
-    if args.ks is None:
-        args.ks = sorted({k for k in (1, 2, 4, L - 1) if 1 <= k <= L - 1})
+    if "offload" not in args.methods:
+        args.ks = []
+    elif args.ks is None:
+        args.ks = preset_ks(L)
     else:
         try:
             args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
@@ -749,8 +816,17 @@ def runners(
             layers, k, double_buffering=double, min_tensor_bytes=args.min_tensor_bytes
         )
         yield runner, {"method": "offload", "k": k, "double_buffering": double}
-    yield SaveOnCpu(layers), {"method": "save_on_cpu"}
-    yield Checkpointed(layers), {"method": "checkpoint"}
+    if "save_on_cpu" in args.methods:
+        yield SaveOnCpu(layers), {"method": "save_on_cpu"}
+    if "checkpoint" in args.methods:
+        yield Checkpointed(layers), {"method": "checkpoint"}
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """``ref-8L``, ``tiny48``, ``quick``, or one of them followed by ``(custom sizes)``."""
+    name = "quick" if args.quick else args.preset
+    base = QUICK if args.quick else PRESETS[args.preset][0]
+    return name if args.model == base else f"{name} (custom sizes)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -764,7 +840,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "benchmark": "bench_activations",
         "command": [sys.executable, *sys.argv],
         "settings": {
-            "model_name": "ref-8L" if cfg == ModelConfig() else "ref-8L (custom sizes)",
+            "model_name": model_name(args),
+            "methods": args.methods,
             "model": dataclasses.asdict(cfg),
             "dtype": str(DTYPE),
             "steps": args.steps,
