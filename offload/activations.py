@@ -518,7 +518,8 @@ class AttachHandle:
 
     ``remove()`` takes them off (idempotent); as a context manager, the block's end
     removes them. ``model`` is the attached module (``None`` once it was garbage
-    collected), ``removed`` whether :meth:`remove` ran.
+    collected), ``removed`` whether :meth:`remove` ran. Copies of the model
+    (``copy.deepcopy``, pickling) are not attached: their copies of the hooks do nothing.
     """
 
     def __init__(self, offloader: ActivationOffloader, model: torch.nn.Module) -> None:
@@ -533,8 +534,8 @@ class AttachHandle:
         # offloader free enters it, nested calls only push a frame.
         self._local = threading.local()
         self._hooks = [
-            model.register_forward_pre_hook(self._forward_start, prepend=True),
-            model.register_forward_hook(self._forward_end, always_call=True),
+            model.register_forward_pre_hook(_AttachHook(self._forward_start), prepend=True),
+            model.register_forward_hook(_AttachHook(self._forward_end), always_call=True),
         ]
 
     @property
@@ -611,3 +612,23 @@ class AttachHandle:
         name = "<collected>" if model is None else type(model).__name__
         state = "removed" if self.removed else "attached"
         return f"AttachHandle({name}, {state})"
+
+
+class _AttachHook:
+    """One hook of an attachment. A copy of the model (``copy.deepcopy``: reference or
+    EMA models; pickling) gets an inert hook instead of a copy of the offloader."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __deepcopy__(self, memo: Any) -> _AttachHook:
+        return _AttachHook(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_AttachHook, (None,))
