@@ -289,8 +289,10 @@ class ActivationOffloader:
         would) and a forward hook leaves it when the forward returns. The hook is
         registered with ``always_call=True``, so it also runs when the forward raises
         an ``Exception``: the context is then left with that exception, which frees
-        everything the failed forward offloaded and removes every saved-tensor hook of
-        the thread. The backward runs outside the context, as usual. Whatever the
+        everything the failed forward offloaded and removes the hooks the context
+        installed. (A ``KeyboardInterrupt`` bypasses module hooks: after catching one
+        during a forward, call ``handle.remove()``, which leaves the context the same
+        way.) The backward runs outside the context, as usual. Whatever the
         forward computes after the layers (the loss of a Hugging Face ``*ForCausalLM``)
         is inside the context and stays on the device (reason ``outside_layers``).
 
@@ -303,7 +305,8 @@ class ActivationOffloader:
           evaluation, generation): nothing is saved for backward, and :attr:`stats`
           keeps describing the last training forward.
 
-        One forward at a time per offloader, as with ``with offloader:``.
+        One forward at a time per offloader, as with ``with offloader:``. Copies of
+        ``model`` (``copy.deepcopy``, pickling) are not attached.
 
         Args:
             model: the module whose forward runs ``layers`` (typically the whole model,
