@@ -327,6 +327,27 @@ def test_remove_during_the_forward_leaves_the_context() -> None:
     offloader.close()
 
 
+def test_remove_after_keyboard_interrupt_leaves_the_context() -> None:
+    """Module hooks never see a ``BaseException``: ``remove()`` cleans up after one."""
+    model, _, x = make()
+    offloader = offload.ActivationOffloader(model.layers, min_tensor_bytes=1024)
+    handle = offloader.attach(model)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    model.layers[2].register_forward_pre_hook(lambda m, a: interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        model(x.clone().requires_grad_(True))
+    handle.remove()
+    gc.collect()
+    assert_plain_saves()
+    assert offloader.stats.bytes_offloaded > 0 and offloader.stats.host_pool_bytes == 0
+    with offloader:  # the offloader is free again
+        pass
+    offloader.close()
+
+
 # ---- (5) double attach ---------------------------------------------------------------
 
 
