@@ -8,7 +8,18 @@ CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few se
 
     PYTHONPATH=. python3 benchmarks/bench_activations.py --quick --device cpu --out /tmp/b.json
 
-Model (docs/measurements.md, "ref-8L"): L Llama-style layers, each
+Many small layers (``--preset tiny48``: 48 layers, hidden 256, 4 heads, ffn 704, seq 256,
+batch 4; median of 15 steps by default; its default rows: no offload, ``offload k=0``
+(hooks only: every saved tensor goes through the offloader and stays), ``offload k=47``
+(``offload_layers="all"``: all layers but the last), ``save_on_cpu``, checkpointing)::
+
+    PYTHONPATH=. python3 benchmarks/bench_activations.py --preset tiny48 --out tiny48.json
+
+``--methods`` picks the kinds of rows (``none,offload,save_on_cpu,checkpoint``, all by
+default; ``none`` always runs, it is the reference of ``x none``) and ``--ks`` the
+``offload_layers`` values of the offload rows.
+
+Model (docs/measurements.md, "ref-8L", by default): L Llama-style layers, each
 ``x + out(SDPA_causal(qkv(RMSNorm(x))))`` then ``x + down(silu(gate) * up)`` with
 ``gate, up = gate_up(RMSNorm(x))`` (fused QKV and fused gate/up ``nn.Linear`` without
 bias, ``nn.RMSNorm``, no RoPE); hidden 4096, 32 heads, ffn 14336, 8 layers, seq 4096,
@@ -20,7 +31,9 @@ Rows, all in this one process:
 * ``no offload``;
 * ``offload k=n``: ``offload.ActivationOffloader(layers, offload_layers=n)``, other
   settings at their defaults (``--quick`` sets ``min_tensor_bytes=0`` so that its tiny
-  tensors are offloaded at all); the context covers the layers and the loss;
+  tensors are offloaded at all); the context covers the layers and the loss. ``k=L-1``
+  is marked ``(default)`` when every other setting is the library's (it is what
+  ``offload_layers=None`` does), ``k=0`` is marked ``(hooks only)``;
 * ``offload k=L-1 double_buffering`` with ``--double-buffering-compare``;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the
   layers only (same scope as the offloader: the loss stays outside);
@@ -74,7 +87,7 @@ import dataclasses
 import gc
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +127,27 @@ class ModelConfig:
 
 
 QUICK = ModelConfig(hidden=64, heads=4, ffn=128, layers=4, seq=32, batch=1)
+
+
+def _ref_ks(num_layers: int) -> list[int | str]:
+    return [*sorted({k for k in (1, 2, 4, num_layers - 1) if 1 <= k <= num_layers - 1}), "auto"]
+
+
+def _tiny48_ks(num_layers: int) -> list[int | str]:
+    return [*sorted({0, num_layers - 1}), "auto"]
+
+
+#: ``--preset`` name -> (sizes, default --steps, default --ks as a function of L, its text)
+PRESETS: dict[str, tuple[ModelConfig, int, Callable[[int], list[int]], str]] = {
+    "ref-8L": (ModelConfig(), 7, _ref_ks, "1,2,4,L-1 within 1..L-1"),
+    "tiny48": (
+        ModelConfig(hidden=256, heads=4, ffn=704, layers=48, seq=256, batch=4),
+        15,
+        _tiny48_ks,
+        "0,L-1",
+    ),
+}
+METHODS = ("none", "offload", "save_on_cpu", "checkpoint")
 
 
 class Block(nn.Module):
@@ -186,7 +220,7 @@ class Offloaded(Runner):
     def __init__(
         self,
         layers: nn.ModuleList,
-        k: int,
+        k: int | str,
         *,
         double_buffering: bool,
         min_tensor_bytes: int | None,
@@ -199,6 +233,12 @@ class Offloaded(Runner):
             kwargs["min_tensor_bytes"] = min_tensor_bytes
         self.offloader = offload.ActivationOffloader(layers, **kwargs)
         self.name = f"offload k={k}" + (" double_buffering" if double_buffering else "")
+        if k == "auto":
+            self.name = "offload auto" + (" (default)" if min_tensor_bytes is None else "")
+        elif k == 0:
+            self.name += " (hooks only)"
+        elif k == len(layers) - 1:
+            self.name += " (all)"
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         with self.offloader:
@@ -209,7 +249,11 @@ class Offloaded(Runner):
         return stats.bytes_offloaded, stats.bytes_reloaded
 
     def details(self) -> dict[str, Any]:
-        return {"stats": self.offloader.stats.to_dict()}
+        stats = self.offloader.stats
+        out: dict[str, Any] = {"stats": stats.to_dict()}
+        if stats.auto is not None:  # offload_layers="auto": what it chose
+            out["auto_k"] = sum(1 for la in stats.layers if la.offloaded)
+        return out
 
     def close(self) -> None:
         self.offloader.close()
@@ -481,7 +525,11 @@ def largest_k_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     candidates = [
         r
         for r in rows
-        if r["method"] == "offload" and r["k"] and not r["double_buffering"] and r["bytes_d2h"][-1]
+        if r["method"] == "offload"
+        and isinstance(r["k"], int)
+        and r["k"]
+        and not r["double_buffering"]
+        and r["bytes_d2h"][-1]
     ]
     return max(candidates, key=lambda r: r["k"], default=None)
 
@@ -530,7 +578,10 @@ def add_predictions(result: dict[str, Any]) -> None:
     none_ms = rows[0]["step_ms_median"]
     for row in rows:
         if row["method"] == "offload":
-            row["model_raw_ms"] = simulate(list(range(row["k"])))
+            k = row["k"] if isinstance(row["k"], int) else row["details"].get("auto_k")
+            if k is None:
+                continue
+            row["model_raw_ms"] = simulate(list(range(k)))
             row["model_ms"] = none_ms + row["model_raw_ms"] - plain
 
 
@@ -668,15 +719,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    size = parser.add_argument_group("model sizes (default: ref-8L; --quick: tiny)")
+    size = parser.add_argument_group("model sizes (default: the preset's; --quick: tiny)")
+    size.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="ref-8L",
+        help="model sizes, default --steps and --ks: "
+        + "; ".join(
+            f"{name}: {dataclasses.asdict(cfg)}, {steps} steps, ks {ks}"
+            for name, (cfg, steps, _, ks) in PRESETS.items()
+        ),
+    )
     for name in ("hidden", "ffn", "heads", "layers", "seq", "batch"):
         size.add_argument(f"--{name}", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per row (>= 5)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per row (>= 5; default: preset's)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated kinds of rows among " + ",".join(METHODS) + " (none always runs)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per row (>= 1)")
     parser.add_argument(
         "--ks",
         default=None,
-        help="comma-separated offload_layers values (default: 1,2,4,L-1 within 1..L-1)",
+        help="comma-separated offload_layers values, 0 <= k <= L or 'auto' (default: the preset's)",
     )
     parser.add_argument("--out", required=True, help="path of the JSON result")
     parser.add_argument("--device", default="cuda")
@@ -698,7 +766,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
 
-    base = QUICK if args.quick else ModelConfig()
+    if args.quick and args.preset != "ref-8L":
+        parser.error("--quick and --preset are exclusive (--quick has its own tiny sizes)")
+    preset, preset_steps, preset_ks, _ = PRESETS[args.preset]
+    base = QUICK if args.quick else preset
+    if args.steps is None:
+        args.steps = preset_steps
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; accepted: {','.join(METHODS)}")
+    args.methods = [m for m in METHODS if m in methods or m == "none"]
     args.model = dataclasses.replace(
         base,
         **{
@@ -710,14 +788,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.quick and args.min_tensor_bytes is None:
         args.min_tensor_bytes = 0
     L = args.model.layers
-    if args.ks is None:
-        args.ks = sorted({k for k in (1, 2, 4, L - 1) if 1 <= k <= L - 1})
+    if "offload" not in args.methods:
+        args.ks = []
+    elif args.ks is None:
+        args.ks = preset_ks(L)
     else:
         try:
-            args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
+            args.ks = [
+                k.strip() if k.strip() == "auto" else int(k) for k in args.ks.split(",") if k.strip()
+            ]
         except ValueError:
-            parser.error(f"--ks must be comma-separated ints; got {args.ks!r}")
-        bad = [k for k in args.ks if not 0 <= k <= L]
+            parser.error(f"--ks must be comma-separated ints or 'auto'; got {args.ks!r}")
+        bad = [k for k in args.ks if k != "auto" and not 0 <= k <= L]
         if bad:
             parser.error(f"--ks values {bad} out of range: 0 <= k <= layers = {L}")
     if args.steps < 5:
@@ -749,8 +831,17 @@ def runners(
             layers, k, double_buffering=double, min_tensor_bytes=args.min_tensor_bytes
         )
         yield runner, {"method": "offload", "k": k, "double_buffering": double}
-    yield SaveOnCpu(layers), {"method": "save_on_cpu"}
-    yield Checkpointed(layers), {"method": "checkpoint"}
+    if "save_on_cpu" in args.methods:
+        yield SaveOnCpu(layers), {"method": "save_on_cpu"}
+    if "checkpoint" in args.methods:
+        yield Checkpointed(layers), {"method": "checkpoint"}
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """``ref-8L``, ``tiny48``, ``quick``, or one of them followed by ``(custom sizes)``."""
+    name = "quick" if args.quick else args.preset
+    base = QUICK if args.quick else PRESETS[args.preset][0]
+    return name if args.model == base else f"{name} (custom sizes)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -764,7 +855,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "benchmark": "bench_activations",
         "command": [sys.executable, *sys.argv],
         "settings": {
-            "model_name": "ref-8L" if cfg == ModelConfig() else "ref-8L (custom sizes)",
+            "model_name": model_name(args),
+            "methods": args.methods,
             "model": dataclasses.asdict(cfg),
             "dtype": str(DTYPE),
             "steps": args.steps,

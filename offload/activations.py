@@ -397,8 +397,10 @@ class ActivationOffloader:
         would) and a forward hook leaves it when the forward returns. The hook is
         registered with ``always_call=True``, so it also runs when the forward raises
         an ``Exception``: the context is then left with that exception, which frees
-        everything the failed forward offloaded and removes every saved-tensor hook of
-        the thread. The backward runs outside the context, as usual. Whatever the
+        everything the failed forward offloaded and removes the hooks the context
+        installed. (A ``KeyboardInterrupt`` bypasses module hooks: after catching one
+        during a forward, call ``handle.remove()``, which leaves the context the same
+        way.) The backward runs outside the context, as usual. Whatever the
         forward computes after the layers (the loss of a Hugging Face ``*ForCausalLM``)
         is inside the context and stays on the device (reason ``outside_layers``).
 
@@ -411,7 +413,8 @@ class ActivationOffloader:
           evaluation, generation): nothing is saved for backward, and :attr:`stats`
           keeps describing the last training forward.
 
-        One forward at a time per offloader, as with ``with offloader:``.
+        One forward at a time per offloader, as with ``with offloader:``. Copies of
+        ``model`` (``copy.deepcopy``, pickling) are not attached.
 
         Args:
             model: the module whose forward runs ``layers`` (typically the whole model,
@@ -719,7 +722,8 @@ class AttachHandle:
 
     ``remove()`` takes them off (idempotent); as a context manager, the block's end
     removes them. ``model`` is the attached module (``None`` once it was garbage
-    collected), ``removed`` whether :meth:`remove` ran.
+    collected), ``removed`` whether :meth:`remove` ran. Copies of the model
+    (``copy.deepcopy``, pickling) are not attached: their copies of the hooks do nothing.
     """
 
     def __init__(self, offloader: ActivationOffloader, model: torch.nn.Module) -> None:
@@ -734,8 +738,8 @@ class AttachHandle:
         # offloader free enters it, nested calls only push a frame.
         self._local = threading.local()
         self._hooks = [
-            model.register_forward_pre_hook(self._forward_start, prepend=True),
-            model.register_forward_hook(self._forward_end, always_call=True),
+            model.register_forward_pre_hook(_AttachHook(self._forward_start), prepend=True),
+            model.register_forward_hook(_AttachHook(self._forward_end), always_call=True),
         ]
 
     @property
@@ -811,3 +815,23 @@ class AttachHandle:
         name = "<collected>" if model is None else type(model).__name__
         state = "removed" if self.removed else "attached"
         return f"AttachHandle({name}, {state})"
+
+
+class _AttachHook:
+    """One hook of an attachment. A copy of the model (``copy.deepcopy``: reference or
+    EMA models; pickling) gets an inert hook instead of a copy of the offloader."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __deepcopy__(self, memo: Any) -> _AttachHook:
+        return _AttachHook(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_AttachHook, (None,))

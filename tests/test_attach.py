@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import tempfile
 from typing import Any
 
@@ -231,6 +232,29 @@ def test_handle_as_context_manager_and_detach() -> None:
     offloader.close()
 
 
+def test_copies_of_an_attached_model_are_not_attached() -> None:
+    """``copy.deepcopy`` (reference and EMA models) and pickling work on an attached model;
+    the copies' hooks do nothing."""
+    model, ref, x = make()
+    offloader = offload.ActivationOffloader(model.layers, min_tensor_bytes=1024)
+    handle = offloader.attach(model)
+    train_step(model, x)
+    before = offloader.stats.to_dict()
+    for layer in model.layers:
+        layer.probe = None  # a StorageWeakRef must not be copied (its copy frees it twice)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    for clone in copies:
+        loss = clone(x.clone().requires_grad_(True))
+        models.check_released(clone.layers, [])  # nothing of the copy was offloaded
+        loss.backward()
+        assert_equal([p.grad for p in clone.parameters()], train_step(ref, x))
+    assert offloader.stats.to_dict() == before
+    assert_equal(train_step(model, x), train_step(ref, x))  # the original still offloads
+    assert offloader.stats.bytes_offloaded > 0
+    handle.remove()
+    offloader.close()
+
+
 # ---- (4) an exception inside the forward -------------------------------------------------
 
 
@@ -298,6 +322,27 @@ def test_remove_during_the_forward_leaves_the_context() -> None:
     del loss
     gc.collect()
     assert offloader.stats.host_pool_bytes == 0
+    with offloader:  # the offloader is free again
+        pass
+    offloader.close()
+
+
+def test_remove_after_keyboard_interrupt_leaves_the_context() -> None:
+    """Module hooks never see a ``BaseException``: ``remove()`` cleans up after one."""
+    model, _, x = make()
+    offloader = offload.ActivationOffloader(model.layers, min_tensor_bytes=1024)
+    handle = offloader.attach(model)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    model.layers[2].register_forward_pre_hook(lambda m, a: interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        model(x.clone().requires_grad_(True))
+    handle.remove()
+    gc.collect()
+    assert_plain_saves()
+    assert offloader.stats.bytes_offloaded > 0 and offloader.stats.host_pool_bytes == 0
     with offloader:  # the offloader is free again
         pass
     offloader.close()
