@@ -196,13 +196,15 @@ def pack_unpack_direct(
     """Host time of ``Step.pack`` and ``unpack_hook`` per tensor, without autograd.
 
     The only code of the benchmarks that uses the scheduler's internals
-    (``offload._scheduler``: ``Runtime``, ``make_plan``, ``Step``, ``unpack_hook``): adapt
+    (``Runtime``, ``Step``, ``make_plan``, ``unpack_hook``): adapt
     it here when they change. One run: ``tensors`` fresh tensors packed in ``groups``
     groups (``open_group`` / ``pack`` ... / ``close_group``), ``finish_forward()``, every
     handle unpacked in reverse order, then every handle dropped. Returns the per-phase
     host seconds of every run and the medians in us per tensor.
     """
-    from offload._scheduler import Runtime, Step, make_plan, unpack_hook
+    from offload._handles import unpack_hook
+    from offload._plan import make_plan
+    from offload._scheduler import Runtime, Step
     from offload.config import OffloadConfig
 
     runtime = Runtime(OffloadConfig(min_tensor_bytes=0))
@@ -211,7 +213,7 @@ def pack_unpack_direct(
     phases: dict[str, list[float]] = {"pack": [], "unpack": [], "free": []}
     for i in range(warmup + repeats):
         batch = [torch.randn(numel, device=device) for _ in range(per_group * groups)]
-        step = Step(runtime, make_plan(groups, chosen, None), lambda index, module: offloaded)
+        step = Step(runtime, make_plan(groups, chosen, None))
         handles: list[Any] = []
         gc.collect()
         synchronize(device)
@@ -235,7 +237,7 @@ def pack_unpack_direct(
             start = time.perf_counter()
             handles.clear()
             free_s = time.perf_counter() - start
-        if offloaded and step.stats.bytes_offloaded == 0:
+        if offloaded and step.read_stats().bytes_offloaded == 0:
             raise RuntimeError("nothing was offloaded")
         if i >= warmup:
             phases["pack"].append(pack_s)

@@ -1,23 +1,40 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one device call (results under $OUT, or ./gpu_out):
-#   PYTHONPATH=. bash benchmarks/gpu_suite.sh
-# 1. the CUDA tests (pytest -m cuda; torchao from .whl/ when present, else its test skips),
-# 2. the ref-8L activation benchmark, 3. the MoE fused-wgrad benchmark,
-# 4. examples/hf_llama.py --size 1b.
+#   PYTHONPATH=. bash benchmarks/gpu_suite.sh [part ...]
+# Parts (default: all, in this order):
+#   tests     the CUDA tests (pytest -m cuda; torchao from .whl/ when present)
+#   hooks     benchmarks/bench_hooks.py (host us per saved tensor)
+#   tiny48    benchmarks/bench_activations.py --preset tiny48 (with save_on_cpu)
+#   ref8l     benchmarks/bench_activations.py (ref-8L: k = 1, 2, 4, 7, auto, save_on_cpu)
+#   profile   python -m offload profile on ref-8L with k = 4 (JSON for the timeline PNG)
+#   auto      benchmarks/bench_auto.py (auto vs every k, ref-8L and an HF Llama ~1B)
+#   extra     any benchmark named in $EXTRA (a shell command), for work in progress
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+parts=${*:-tests hooks tiny48 ref8l profile auto}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"; } | tee "$OUT/gpu.txt"
-timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest_cuda.log" | tail -30
-timeout 240 python3 benchmarks/bench_activations.py --double-buffering-compare \
-  --out "$OUT/bench_activations.json" 2>&1 | tee "$OUT/bench_activations.log"
-timeout 120 python3 benchmarks/bench_moe_wgrad.py --out "$OUT/bench_moe_wgrad.json" 2>&1 \
-  | tee "$OUT/bench_moe_wgrad.log" | tail -15
-timeout 180 python3 examples/hf_llama.py --size 1b --out "$OUT/hf_llama_1b.json" 2>&1 \
-  | tee "$OUT/hf_llama_1b.log" | tail -12
+for part in $parts; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    tests) timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests \
+             2>&1 | tee "$OUT/pytest_cuda.log" | tail -25 ;;
+    hooks) timeout 120 python3 benchmarks/bench_hooks.py --out "$OUT/bench_hooks.json" \
+             2>&1 | tail -30 ;;
+    tiny48) timeout 240 python3 benchmarks/bench_activations.py --preset tiny48 \
+             --out "$OUT/bench_tiny48.json" 2>&1 | tail -16 ;;
+    ref8l) timeout 240 python3 benchmarks/bench_activations.py \
+             --out "$OUT/bench_ref8l.json" 2>&1 | tail -16 ;;
+    profile) OFFLOAD_PROFILE_JSON="$OUT/profile_cuda_test.json" timeout 200 python3 -m offload \
+             profile --offload-layers 4 --steps 5 --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
+    auto) timeout 300 python3 benchmarks/bench_auto.py --out "$OUT/bench_auto.json" 2>&1 | tail -30 ;;
+    extra) bash -c "${EXTRA:-true}" ;;
+  esac
+done
+echo "=== done $(date +%T)"

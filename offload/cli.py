@@ -94,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="cpu, cuda or cuda:N; default cuda when available, else cpu")
     run.add_argument(
         "--offload-layers",
-        metavar="N|I,J,...",
+        metavar="auto|all|N|I,J,...",
         help=(
-            "an int n (the first n layers) or a comma list of layer indices; default all but "
-            "the last"
+            "auto, all, an int n (the first n layers) or a comma list of layer indices; "
+            "default all but the last"
         ),
     )
     run.add_argument(
@@ -147,11 +147,13 @@ def _device(text: str | None) -> torch.device:
     return device
 
 
-def _offload_layers(text: str | None, num_layers: int) -> int | list[int] | None:
+def _offload_layers(text: str | None, num_layers: int) -> int | list[int] | str | None:
     if text is None:
         return None
+    if text in ("auto", "all"):
+        return text
     accepted = (
-        f"accepted: an int 0..{num_layers} (the first n layers) or a comma list of "
+        f"accepted: auto, all, an int 0..{num_layers} (the first n layers) or a comma list of "
         f"indices in 0..{num_layers - 1}, e.g. {','.join(map(str, range(min(3, num_layers))))}"
     )
     try:
