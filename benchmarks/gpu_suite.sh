@@ -8,6 +8,7 @@
 #   ref8l     benchmarks/bench_activations.py (ref-8L: k = 1, 2, 4, 7, auto, save_on_cpu)
 #   profile   python -m offload profile on ref-8L with k = 4 (JSON for the timeline PNG)
 #   auto      benchmarks/bench_auto.py (auto vs every k, ref-8L and an HF Llama ~1B)
+#   hostprof  benchmarks/hostprof.py (cProfile of tiny48 steps, k=0 and all)
 #   extra     any benchmark named in $EXTRA (a shell command), for work in progress
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
@@ -34,6 +35,8 @@ for part in $parts; do
     profile) OFFLOAD_PROFILE_JSON="$OUT/profile_cuda_test.json" timeout 200 python3 -m offload \
              profile --offload-layers 4 --steps 5 --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
     auto) timeout 300 python3 benchmarks/bench_auto.py --out "$OUT/bench_auto.json" 2>&1 | tail -30 ;;
+    hostprof) for sel in 0 all; do timeout 90 python3 benchmarks/hostprof.py \
+             --offload-layers $sel --top 22 2>&1 | tee "$OUT/hostprof_$sel.log" | head -34; done ;;
     extra) bash -c "${EXTRA:-true}" ;;
   esac
 done

@@ -156,7 +156,9 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     offloader = (
         offload.ActivationOffloader(
-            offload.find_layers(model), min_tensor_bytes=args.min_tensor_bytes
+            offload.find_layers(model),
+            offload_layers="all",
+            min_tensor_bytes=args.min_tensor_bytes,
         )
         if use_offload
         else None

@@ -33,17 +33,30 @@ class ReloadBuffers:
         self.spares: dict[int, list[torch.Tensor]] = {}
         self.reuses = 0
 
-    def take(self, backend: Backend, nbytes: int, stream: Any) -> torch.Tensor:
-        """A spare of this size that nothing references any more, else a fresh buffer
-        from ``stream``'s pool. Reuse is safe in stream order: the H2D that refills a
-        spare waits for the compute stream, behind every kernel that read it."""
-        spares = self.spares.get(nbytes)
-        while spares:
-            buf = spares.pop()
-            if _storage_use_count(buf) <= 2:  # our tensor (+ the storage's Python wrapper)
-                self.reuses += 1
-                return buf
-        return backend.alloc(nbytes, stream)
+    def take(self, backend: Backend, sizes: list[int], stream: Any) -> list[torch.Tensor]:
+        """A buffer per size: a spare of that size that nothing references any more,
+        else a fresh one from ``stream``'s pool (allocated together). Reuse is safe in
+        stream order: the H2D that refills a spare waits for the compute stream, behind
+        every kernel that read it."""
+        out: list[torch.Tensor | None] = []
+        fresh: list[int] = []
+        for nbytes in sizes:
+            buf = None
+            spares = self.spares.get(nbytes)
+            while spares:
+                candidate = spares.pop()
+                if _storage_use_count(candidate) <= 2:  # ours (+ the storage's wrapper)
+                    self.reuses += 1
+                    buf = candidate
+                    break
+            if buf is None:
+                fresh.append(len(out))
+            out.append(buf)
+        if fresh:
+            new = backend.alloc([sizes[i] for i in fresh], stream)
+            for i, buf in zip(fresh, new):
+                out[i] = buf
+        return out  # type: ignore[return-value]
 
     def give(self, buffer: torch.Tensor) -> None:
         """A group is done with ``buffer``: keep it as a spare when reusing."""

@@ -48,11 +48,16 @@ class Backend:
         return None
 
     def d2h(
-        self, src: torch.Tensor, dst: torch.Tensor, fence: Any, times: Times | None = None
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        fence: Any,
+        times: Times | None = None,
     ) -> None:
-        """Copy device bytes ``src`` into host bytes ``dst`` after the producer's work."""
+        """Copy each device ``src`` into its host ``dst``, after the work that produced
+        them (everything queued so far on the current stream)."""
         start = time.perf_counter() if times is not None else 0.0
-        dst.copy_(src)
+        for src, dst in pairs:
+            dst.copy_(src)
         if times is not None:
             times.append(("d2h", time.perf_counter() - start))
 
@@ -60,9 +65,9 @@ class Backend:
         """An event marking the end of every D2H copy issued so far."""
         return None
 
-    def alloc(self, nbytes: int, stream: Any) -> torch.Tensor:
-        """A device byte buffer allocated in ``stream``'s pool."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def alloc(self, sizes: list[int], stream: Any) -> list[torch.Tensor]:
+        """Device byte buffers of ``sizes`` allocated in ``stream``'s pool."""
+        return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
 
     def h2d(
         self,
@@ -115,12 +120,15 @@ class CudaBackend(Backend):
         return torch.cuda.current_stream(self.device)
 
     def d2h(
-        self, src: torch.Tensor, dst: torch.Tensor, fence: Any, times: Times | None = None
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        fence: Any,
+        times: Times | None = None,
     ) -> None:
         compute = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
-        # 4.1(a): the copy starts only after everything queued so far on the producing
-        # (current) stream, which includes the kernel that wrote ``src``.
+        # 4.1(a): the copies start only after everything queued so far on the producing
+        # (current) stream, which includes the kernels that wrote the sources.
         self._ready.record(compute)
         stream.wait_event(self._ready)
         if fence is not None and fence is not self._fence_waited:
@@ -130,12 +138,12 @@ class CudaBackend(Backend):
             self._fence_waited = fence
         torch.cuda.set_stream(stream)
         try:
-            if times is None:
-                dst.copy_(src, non_blocking=True)
-            else:
+            if times is not None:
                 start, end = _timed_event(), _timed_event()
                 start.record()
+            for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
+            if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
         finally:
@@ -144,11 +152,11 @@ class CudaBackend(Backend):
     def record_d2h(self) -> torch.cuda.Event:
         return self.d2h_stream.record_event()
 
-    def alloc(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
+    def alloc(self, sizes: list[int], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         # The caching allocator keeps one pool per stream: allocate in the pool of the
-        # stream that will read and later free the buffer (the compute stream).
+        # stream that will read and later free the buffers (the compute stream).
         with torch.cuda.stream(stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
 
     def h2d(
         self,

@@ -18,7 +18,8 @@ safe?". Code and tests cite it.
 
 Forward, group g (the call of layer g), offloaded:
 
-1. *Pack.* A saved tensor's byte span is copied into a host block at save time:
+1. *Pack.* A saved tensor's byte span is copied into a host block at save time (in
+   batches of a few tensors, and always before the group closes: ``_D2H_BATCH``):
    the D2H stream first waits for the current (compute) stream, so the copy starts
    after the kernel that produced the bytes (4.1(a)), and for the pool's H2D fence, so
    the host block is not overwritten while an earlier backward still reads it (4.1(d)).
@@ -115,6 +116,11 @@ def _exit_no_offload() -> None:
 
 
 _nbytes = _placement.kept_bytes
+
+#: D2H copies issued together (Note [release order], 1): one wait on the compute stream
+#: and one stream switch per batch instead of per saved tensor; a batch is also issued
+#: when its group closes, so no copy waits longer than its layer.
+_D2H_BATCH = 8
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -320,6 +326,9 @@ class Step:
         #: records its compute times and the bytes it would offload (offload/_auto.py)
         self.probe = False
         self.candidate_owner: dict[int, int] = {}
+        #: D2H copies not issued yet (Note [release order], 1): issued in small batches
+        #: (one stream switch and one wait per batch) and always before a group closes
+        self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -383,6 +392,7 @@ class Step:
                 return
             self.open = None
             group.closed = True
+            self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
             index = group.index
@@ -418,6 +428,7 @@ class Step:
         """The forward ended normally: release what is left (Note [release order], 3)."""
         with self.rt.lock:
             self.rt.drain()
+            self._flush_d2h(self.open)
             self.open = None
             self.forward_done = True
             for _handle, t in self.pending:
@@ -442,6 +453,7 @@ class Step:
             self.aborted = True
             self.backward_done = True
             self.pending = []
+            self.d2h_queue = []  # never issued: their host blocks are freed below
             if self.backend is not None and any(g.device_refs for g in self.groups):
                 done = self.backend.record_d2h()
                 for group in self.groups:
@@ -590,12 +602,10 @@ class Step:
                 return self._keep("host_limit", group, t)
             copy = _Copy(group.index, c_start, c_end, version, block)
             copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
-            self.backend.d2h(  # type: ignore[union-attr]
-                _packing.as_bytes(t, c_start, c_end),
-                block.tensor,
-                self.rt.pool.h2d_fence,
-                group.times,
-            )
+            queue = self.d2h_queue
+            queue.append((_packing.as_bytes(t, c_start, c_end), block.tensor))
+            if len(queue) >= _D2H_BATCH:
+                self._flush_d2h(group)
             group.device_refs.append((t.detach(), version, copy))
             if copies is None:
                 self.storages[key] = [copy]
@@ -612,6 +622,14 @@ class Step:
         copy.refs += 1
         group.live += 1
         return Offloaded(self, group, copy, t, start - copy.start)
+
+    def _flush_d2h(self, group: _Group | None) -> None:
+        """Issue the queued D2H copies (lock held)."""
+        queue = self.d2h_queue
+        if queue:
+            self.d2h_queue = []
+            times = group.times if group is not None else None
+            self.backend.d2h(queue, self.rt.pool.h2d_fence, times)  # type: ignore[union-attr]
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
@@ -674,16 +692,17 @@ class Step:
             return
         backend = self.backend
         stream = group.stream if group.stream is not None else backend.current_stream()  # type: ignore[union-attr]
-        pairs, waits, todo = [], [], []
-        for copy in group.copies.values():
-            if copy.buffer is None and copy.host is not None:
-                copy.buffer = self.buffers.take(backend, copy.end - copy.start, stream)  # type: ignore[arg-type]
-                pairs.append((copy.host.tensor, copy.buffer))
-                owner = self.groups[copy.owner]
-                if owner.d2h_done is None and owner.device_refs:
-                    owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
-                waits.append(owner.d2h_done)
-                todo.append(copy)
+        self._flush_d2h(None)
+        todo = [c for c in group.copies.values() if c.buffer is None and c.host is not None]
+        buffers = self.buffers.take(backend, [c.end - c.start for c in todo], stream)  # type: ignore[arg-type]
+        pairs, waits = [], []
+        for copy, buffer in zip(todo, buffers):
+            copy.buffer = buffer
+            pairs.append((copy.host.tensor, buffer))  # type: ignore[union-attr]
+            owner = self.groups[copy.owner]
+            if owner.d2h_done is None and owner.device_refs:
+                owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
+            waits.append(owner.d2h_done)
         if pairs:
             event = backend.h2d(pairs, waits, stream, group.times)  # type: ignore[union-attr]
             for copy in todo:
@@ -794,6 +813,8 @@ class Step:
         ``b1``: an input gradient is complete (the last one marks the end)."""
         if group.marks is not None and (kind == "b1" or kind not in group.marks):
             group.marks[kind] = self._mark()
+            if kind == "b1" and all(g.marks and "b1" in g.marks for g in self.groups):
+                self._backward_over()  # every layer's backward ended: hooks can go
 
     def probe_costs(self) -> list[tuple[float, float, int]] | None:
         """``(forward s, backward s, bytes)`` per group of a measuring forward, or

@@ -94,7 +94,7 @@ def test_other_blocks_same_gradients(kind) -> None:
         layers, runner, dim = models.encoder_layers(4, 32), models.run_plain, 32
     layers = layers.to(DEV, torch.bfloat16)
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     for _ in range(3):
         x = torch.randn(2, 256, dim, device=DEV, dtype=torch.bfloat16)
         want = run(ref, x, runner=runner)
@@ -107,7 +107,7 @@ def test_other_blocks_same_gradients(kind) -> None:
 def test_micro_batches_and_retain_graph() -> None:
     layers = llama()
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     x = torch.randn(2, 512, 256, device=DEV, dtype=torch.bfloat16)
     assert_same(run(layers, x, off, backwards=2), run(ref, x, backwards=2))
     assert off.stats.bytes_reloaded == 2 * off.stats.bytes_offloaded > 0
@@ -184,7 +184,7 @@ def test_race_stress_50_steps(kind) -> None:
 def test_non_default_current_stream() -> None:
     layers = llama()
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     side = torch.cuda.Stream()
     for _ in range(3):
         x = torch.randn(2, 512, 256, device=DEV, dtype=torch.bfloat16)
@@ -202,7 +202,7 @@ def test_one_layer_under_torch_compile() -> None:
     layers = llama(n=3)
     ref = twin(layers)
     layers[1] = torch.compile(layers[1])  # OptimizedModule: hooks fire on the wrapper
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     torch.use_deterministic_algorithms(False)  # inductor kernels; compared with tolerance
     for _ in range(2):
         x = torch.randn(2, 512, 256, device=DEV, dtype=torch.bfloat16)
@@ -221,7 +221,7 @@ def test_one_layer_under_torch_compile() -> None:
 
 def test_no_host_sync_and_no_new_pinned_memory_in_steady_state() -> None:
     layers = llama()
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     x = torch.randn(2, 512, 256, device=DEV, dtype=torch.bfloat16)
     for _ in range(2):
         run(layers, x, off)
@@ -285,7 +285,7 @@ def test_peak_memory_drops_by_offloaded_bytes() -> None:
 
 def test_200_steps_no_growth() -> None:
     layers = llama(n=4, dim=128, heads=4, ffn=256)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     allocated, pool = [], []
     for i in range(200):
         x = torch.randn(2, 128, 128, device=DEV, dtype=torch.bfloat16)
@@ -299,7 +299,7 @@ def test_200_steps_no_growth() -> None:
 
 def test_timing_measures_copies_at_link_speed() -> None:
     layers = llama(n=4, dim=1024, heads=8, ffn=2816)
-    off = offload.ActivationOffloader(layers, timing=True)
+    off = offload.ActivationOffloader(layers, offload_layers="all", timing=True)
     x = torch.randn(2, 2048, 1024, device=DEV, dtype=torch.bfloat16)
     for _ in range(3):
         run(layers, x, off)

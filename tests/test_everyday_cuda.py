@@ -46,7 +46,7 @@ def test_plain_attention_idiom_with_sdpa_backends(backend: str) -> None:
     layers = nn.ModuleList(models.LlamaBlock(256, 4, 512) for _ in range(4)).to(DEV, torch.bfloat16)
     ref = twin(layers)
     x = torch.randn(2, 256, 256, device=DEV, dtype=torch.bfloat16)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
             for it in range(2):
@@ -71,7 +71,7 @@ def test_memory_back_at_once_after_del_with_gc_disabled() -> None:
         layers = nn.ModuleList(models.LlamaBlock(512, 8, 1024) for _ in range(4)).to(
             DEV, torch.bfloat16
         )
-        off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
         x = torch.randn(2, 1024, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         h = x
         with off:
@@ -89,7 +89,7 @@ def test_memory_back_at_once_after_del_with_gc_disabled() -> None:
 def test_caller_held_input_no_hooks_left_and_memory_flat() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(models.LlamaBlock(128, 4, 256) for _ in range(4)).to(DEV, torch.bfloat16)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     x = torch.randn(2, 128, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     allocated = []
     for i in range(300):
@@ -134,7 +134,7 @@ def test_frozen_weight_casts_never_cross_the_link() -> None:
         y.float().square().mean().backward()
         return [p.grad.clone() for p in ls.parameters() if p.requires_grad]
 
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     got, want = go(layers, off), go(ref, None)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for layer in off.stats.layers[:2]:
@@ -161,7 +161,7 @@ def test_race_stress_tiny_layers_and_long_kernels() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(_Tiny() for _ in range(16)).to(DEV)
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0, prefetch_layers=1)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0, prefetch_layers=1)
     for _ in range(30):
         x = torch.randn(512, 64, device=DEV)
         got = models.step(layers, x, models.run_plain, off)

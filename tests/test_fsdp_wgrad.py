@@ -141,7 +141,7 @@ def _train_fsdp(config: str, rank: int, world: int, device: torch.device) -> dic
     fully_shard(model, mesh=mesh, mp_policy=mp)
     routed = use_fused_wgrad(model) if fuse else []
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    off = offload.ActivationOffloader(list(model.blocks), min_tensor_bytes=0)
+    off = offload.ActivationOffloader(list(model.blocks), offload_layers="all", min_tensor_bytes=0)
     offloaded = []
     for step in range(STEPS):
         for micro in range(MICRO_BATCHES):

@@ -44,7 +44,7 @@ def test_torchao_float8_training_same_gradients(recipe: str) -> None:
         float8.convert_to_float8_training(layers, config=config)
         assert any(type(m).__name__ == "Float8Linear" for m in layers.modules())
         ref = twin(layers)
-        off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
         for _ in range(2):
             x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
             want = models.step(ref, x, models.run_plain)
@@ -60,7 +60,7 @@ def test_fp8_activation_cache_offloads_one_byte_per_element() -> None:
     dim, n = 1024, 4096
     layers = nn.ModuleList(FP8Block(dim) for _ in range(3)).cuda()
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=1024)
     x = torch.randn(n, dim, device="cuda")
     got = models.step(layers, x, models.run_plain, off)
     want = models.step(ref, x, models.run_plain)
@@ -89,7 +89,7 @@ def test_autocast_ref8l_sends_only_activations() -> None:
         candidates.append((tuple(t.shape), t.dtype))
         return True
 
-    off = offload.ActivationOffloader(layers, tensor_filter=record)
+    off = offload.ActivationOffloader(layers, offload_layers="all", tensor_filter=record)
     x = torch.randn(1, seq, dim, device="cuda")
     for _ in range(2):
         candidates.clear()
