@@ -28,14 +28,35 @@ from offload._plan import make_plan
 __all__ = ["AutoDecision", "LayerCost", "choose", "link_bandwidth", "predict_step"]
 
 
+#: Host seconds that offloading adds per copy (pack, release, reload, unpack, free in
+#: Python): fitted on an H200 host on tiny48 (48 small layers, launch-bound), where
+#: offloading every layer added about 90 ms for 423 copies a step. It only costs step
+#: time where the host, not the device, sets the pace (see :func:`predict_step`).
+HOST_SECONDS_PER_COPY = 2.0e-4
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
-    """What one layer call costs: seconds of forward and backward compute, and the
-    bytes offloading it would send each way."""
+    """What one layer call costs: seconds of forward and backward compute on the
+    device, the bytes offloading it would send each way, the host seconds spent issuing
+    its forward and backward, and the number of copies offloading it would make."""
 
     forward_s: float
     backward_s: float
     nbytes: int
+    host_forward_s: float = 0.0
+    host_backward_s: float = 0.0
+    copies: int = 0
+
+    def forward(self, offloaded: bool) -> float:
+        """The layer's forward time: device time, or the host's when the host (with
+        the offloader's extra work) is slower."""
+        extra = HOST_SECONDS_PER_COPY * self.copies / 2 if offloaded else 0.0
+        return max(self.forward_s, self.host_forward_s + extra)
+
+    def backward(self, offloaded: bool) -> float:
+        extra = HOST_SECONDS_PER_COPY * self.copies / 2 if offloaded else 0.0
+        return max(self.backward_s, self.host_backward_s + extra)
 
 
 @dataclasses.dataclass
@@ -65,7 +86,10 @@ def predict_step(
 ) -> float:
     """Predicted seconds of one forward + backward with ``offloaded`` groups.
 
-    Forward: a group's D2H starts when its layer starts (copies begin at save time) and
+    Each layer takes the longer of its device time and its host time (plus
+    :data:`HOST_SECONDS_PER_COPY` per copy when offloaded): a launch-bound layer is paced
+    by the host. Forward: a group's D2H starts when its layer starts (copies begin at
+    save time) and
     the D2H stream is free, and ends no earlier than the layer; the compute stream waits
     for it at the group's release point. Backward: a group's H2D starts when the backward
     of its reload layer starts and the H2D stream is free; the group's own backward waits
@@ -80,7 +104,7 @@ def predict_step(
         for s in plan.release_at.get(i, ()):
             t = max(t, d2h_done[s])
         start = t
-        t += costs[i].forward_s
+        t += costs[i].forward(i in plan.offloaded)
         if i in plan.offloaded:
             d2h_free = max(d2h_free, start) + costs[i].nbytes / d2h_bps
             d2h_done[i] = max(d2h_free, t)
@@ -95,7 +119,7 @@ def predict_step(
             h2d_done[s] = h2d_free
         if q in plan.offloaded:
             t = max(t, h2d_done.get(q, t))
-        t += costs[q].backward_s
+        t += costs[q].backward(q in plan.offloaded)
     return t
 
 
@@ -109,7 +133,7 @@ def choose(
     """The longest prefix of layers (never the last) whose predicted step is within
     ``1 + max_slowdown`` of the step without offloading."""
     L = len(costs)
-    base = sum(c.forward_s + c.backward_s for c in costs)
+    base = sum(c.forward(False) + c.backward(False) for c in costs)
     limit = base * (1.0 + max_slowdown)
     best_k, best_ratio, next_ratio = 0, 1.0, None
     for k in range(1, L):

@@ -46,8 +46,10 @@ Backward (outside the context, possibly on autograd's device threads):
    for the compute stream (the new blocks may have been freed there by queued kernels,
    4.1(e)) and for the D2H event of the group that made each copy, copies, and records
    a reload event. That event becomes the pool's H2D fence (step 1).
-5. *Unpack.* The first unpack of a copy makes the current stream wait for its reload
-   event (4.1(c)) and rebuilds the tensor as a view of the reloaded span. A copy that
+5. *Unpack.* The first unpack of a copy makes the group's compute stream (where its
+   backward runs: autograd runs a node's backward on its forward's stream) wait for
+   its reload event (4.1(c)), once for every copy of that event, and rebuilds the
+   tensor as a view of the reloaded span. A copy that
    was not reloaded (irregular graphs, manual schedules) is reloaded on demand here.
 6. *Drop.* A group gives up its reloaded buffers when the gradients of its inputs are
    complete (a tensor hook on each layer input that requires grad), or when its
@@ -729,10 +731,22 @@ class Step:
                     "that saved it raised an exception; run the forward again before "
                     "calling backward"
                 )
+            group = handle.group
             if copy.buffer is None:
-                self._reload(handle.group)  # on demand
+                self._reload(group)  # on demand
             if not copy.waited:
-                self.backend.wait_current(copy.reload_event, handle.group.times)  # type: ignore[union-attr]
+                # The backward of a layer runs on the stream its forward ran on (autograd
+                # guarantees it), which is group.stream: it waits once per reload event,
+                # for every copy that event covers.
+                event = copy.reload_event
+                stream = group.stream
+                if stream is None:
+                    self.backend.wait_current(event, group.times)  # type: ignore[union-attr]
+                else:
+                    self.backend.wait(stream, event, group.times)  # type: ignore[union-attr]
+                for c in group.copies.values():
+                    if c.reload_event is event:
+                        c.waited = True
                 copy.waited = True
             return copy.buffer  # type: ignore[return-value]
 
@@ -800,13 +814,15 @@ class Step:
     # ---- measuring forwards (offload_layers="auto") ------------------------------------
 
     def _mark(self) -> Any:
-        """A time mark on the current stream: a CUDA event, or the host clock."""
+        """A time mark: ``(device mark, host clock)``; the device mark is a CUDA event
+        recorded on the current stream, or the host clock again on the CPU path."""
+        now = time.perf_counter()
         device = self.device
         if device is not None and device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
-        return time.perf_counter()
+            return event, now
+        return now, now
 
     def _probe(self, group: _Group, kind: str, _grad: Any) -> None:
         """``b0``: the first output gradient arrived (the layer's backward starts);
@@ -816,17 +832,26 @@ class Step:
             if kind == "b1" and all(g.marks and "b1" in g.marks for g in self.groups):
                 self._backward_over()  # every layer's backward ended: hooks can go
 
-    def probe_costs(self) -> list[tuple[float, float, int]] | None:
-        """``(forward s, backward s, bytes)`` per group of a measuring forward, or
-        ``None`` while its backward has not run. Waits on the host for the marks."""
+    def probe_costs(self) -> list[tuple[float, float, int, float, float, int]] | None:
+        """Per group of a measuring forward: ``(forward s, backward s, bytes, host
+        forward s, host backward s, copies)``: device times, the bytes and number of
+        copies offloading would make, and the host time spent issuing the layer (a
+        launch-bound layer is limited by it). ``None`` while its backward has not run.
+        Waits on the host for the marks."""
         out = []
         for g in self.groups:
             m = g.marks or {}
             if "f0" not in m or "f1" not in m or "b0" not in m:
                 return None
-            fwd = _elapsed(m["f0"], m["f1"])
-            bwd = _elapsed(m["b0"], m["b1"]) if "b1" in m else 2.0 * fwd
-            out.append((fwd, bwd, sum((g.candidates or {}).values())))
+            fwd = _elapsed(m["f0"][0], m["f1"][0])
+            host_fwd = m["f1"][1] - m["f0"][1]
+            if "b1" in m:
+                bwd = _elapsed(m["b0"][0], m["b1"][0])
+                host_bwd = m["b1"][1] - m["b0"][1]
+            else:  # the layer's inputs need no gradient: no end mark
+                bwd, host_bwd = 2.0 * fwd, 2.0 * host_fwd
+            cands = g.candidates or {}
+            out.append((fwd, bwd, sum(cands.values()), host_fwd, host_bwd, len(cands)))
         return out or None
 
     # ---- stats -----------------------------------------------------------------------

@@ -136,3 +136,15 @@ def test_auto_replans_when_the_shape_changes(monkeypatch) -> None:
         seen.append([la.index for la in off.stats.layers if la.offloaded])
     assert seen == [[], [], [], [0, 1, 2], []]
     assert len(off._auto.decisions) == 2
+
+
+def test_launch_bound_layers_count_the_hosts_extra_work() -> None:
+    # tiny48-like: the host takes longer than the device to issue each layer, and
+    # offloading would add its per-copy host work on top: nothing hides
+    c = [LayerCost(0.5e-3, 1.0e-3, 10 << 20, 0.9e-3, 1.2e-3, 9) for _ in range(48)]
+    d = choose(c, 50 * GB, 50 * GB, 0.03)
+    assert len(d.offloaded) <= 1
+    # the same bytes in one copy per layer, issued by a fast host: the link alone
+    # decides, and it hides them all
+    fast = [LayerCost(0.5e-3, 1.0e-3, 10 << 20, 0.05e-3, 0.05e-3, 1) for _ in range(48)]
+    assert len(choose(fast, 50 * GB, 50 * GB, 0.03).offloaded) == 47

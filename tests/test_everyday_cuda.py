@@ -61,7 +61,20 @@ def test_plain_attention_idiom_with_sdpa_backends(backend: str) -> None:
         raise
 
 
+def _llama_step(dim: int, off_kw: dict | None) -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(dim, 8, 2 * dim) for _ in range(4)).to(
+        DEV, torch.bfloat16
+    )
+    off = None if off_kw is None else offload.ActivationOffloader(layers, **off_kw)
+    x = torch.randn(2, 1024, dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    models.step(layers, x, models.run_plain, off)
+
+
 def test_memory_back_at_once_after_del_with_gc_disabled() -> None:
+    # one step first, so that what CUDA libraries keep for good (cuBLAS workspaces of
+    # the autograd thread, per stream) is already in the baseline
+    _llama_step(512, {"offload_layers": "all", "min_tensor_bytes": 0})
     torch.cuda.synchronize()
     gc.collect()
     base = torch.cuda.memory_allocated()
@@ -100,7 +113,7 @@ def test_caller_held_input_no_hooks_left_and_memory_flat() -> None:
         h.float().square().mean().backward()
         x.grad = None
         assert not x._backward_hooks
-        if i >= 10:
+        if i >= 50:  # after the warm-up (cuBLAS workspaces of the autograd thread)
             allocated.append(torch.cuda.memory_allocated())
     assert max(allocated) == min(allocated)
 
@@ -139,8 +152,10 @@ def test_frozen_weight_casts_never_cross_the_link() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for layer in off.stats.layers[:2]:
         assert layer.bytes_offloaded > 0
+        # the bf16 cast of the frozen dim x dim weight was kept (as a parameter), so
+        # it did not travel: what travelled is activations, whole multiples of n x dim
         assert layer.bytes_kept["parameter"] >= dim * dim * 2
-        assert layer.bytes_offloaded < dim * dim * 2  # no weight-sized cast travelled
+        assert layer.bytes_offloaded % (n * dim * 2) < 64 * 1024
 
 
 class _Tiny(nn.Module):
@@ -161,7 +176,9 @@ def test_race_stress_tiny_layers_and_long_kernels() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(_Tiny() for _ in range(16)).to(DEV)
     ref = twin(layers)
-    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0, prefetch_layers=1)
+    off = offload.ActivationOffloader(
+        layers, offload_layers="all", min_tensor_bytes=0, prefetch_layers=1
+    )
     for _ in range(30):
         x = torch.randn(512, 64, device=DEV)
         got = models.step(layers, x, models.run_plain, off)
