@@ -83,8 +83,13 @@ def predict_step(
     d2h_bps: float,
     h2d_bps: float,
     prefetch_layers: int | None = None,
+    gap_s: float = 0.0,
 ) -> float:
     """Predicted seconds of one forward + backward with ``offloaded`` groups.
+
+    ``gap_s`` is the device time between the end of the last layer's forward and the
+    start of its backward (what the model computes after its layers: final norm, head,
+    loss, and their backward): copies keep running through it.
 
     Each layer takes the longer of its device time and its host time (plus
     :data:`HOST_SECONDS_PER_COPY` per copy when offloaded): a launch-bound layer is paced
@@ -111,6 +116,7 @@ def predict_step(
     released = {g for groups in plan.release_at.values() for g in groups}
     for s in plan.offloaded - released:
         t = max(t, d2h_done[s])  # released when the forward ends
+    t += gap_s
     h2d_free = 0.0
     h2d_done: dict[int, float] = {}
     for q in range(L - 1, -1, -1):
@@ -129,17 +135,19 @@ def choose(
     h2d_bps: float,
     max_slowdown: float,
     prefetch_layers: int | None = None,
+    gap_s: float = 0.0,
 ) -> AutoDecision:
     """The longest prefix of layers (never the last) whose predicted step is within
-    ``1 + max_slowdown`` of the step without offloading."""
+    ``1 + max_slowdown`` of the step without offloading (``gap_s``: see
+    :func:`predict_step`; it counts in the step, so in what the slowdown is relative to)."""
     L = len(costs)
-    base = sum(c.forward(False) + c.backward(False) for c in costs)
+    base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
     limit = base * (1.0 + max_slowdown)
     best_k, best_ratio, next_ratio = 0, 1.0, None
     for k in range(1, L):
         if costs[k - 1].nbytes == 0:
             continue  # nothing to gain from this layer; it would not move anything
-        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers)
+        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
         if predicted <= limit:
             best_k, best_ratio = k, predicted / base if base else 1.0
         else:
@@ -182,7 +190,7 @@ def choose(
 _BANDWIDTH: dict[torch.device, tuple[float, float]] = {}
 
 
-def link_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
+def link_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
     """Pinned host <-> ``device`` bytes per second (D2H, H2D), measured once per device
     with a copy of ``nbytes`` each way (one host synchronisation, at the first decision).
     """

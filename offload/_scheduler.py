@@ -854,6 +854,16 @@ class Step:
             out.append((fwd, bwd, sum(cands.values()), host_fwd, host_bwd, len(cands)))
         return out or None
 
+    def probe_gap(self) -> float:
+        """Device seconds between the last layer's forward end and its backward start
+        in a measuring forward (the head, the loss and their backward); 0 if unknown."""
+        if not self.groups:
+            return 0.0
+        m = self.groups[-1].marks or {}
+        if "f1" not in m or "b0" not in m:
+            return 0.0
+        return max(0.0, _elapsed(m["f1"][0], m["b0"][0]))
+
     # ---- stats -----------------------------------------------------------------------
 
     def read_stats(self) -> OffloadStats:

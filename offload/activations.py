@@ -521,6 +521,7 @@ class _Auto:
                     h2d,
                     off.config.max_slowdown,
                     off.config.prefetch_layers,
+                    probe.probe_gap(),
                 )
                 self.decisions[key] = decision
                 del self.probes[key]

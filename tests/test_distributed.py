@@ -55,7 +55,7 @@ def _fsdp_worker(rank: int, port: int, results: dict) -> None:
             for layer in m.layers:
                 fully_shard(layer)
             fully_shard(m)
-        off = offload.ActivationOffloader(model.layers, min_tensor_bytes=1024)
+        off = offload.ActivationOffloader(model.layers, offload_layers="all", min_tensor_bytes=1024)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
         for step in range(3):
             x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -123,7 +123,7 @@ def _tp_worker(rank: int, port: int, results: dict) -> None:
 
         _packing.flatten = spy
         try:
-            off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
+            off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=1024)
             x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
             got = models.step(layers, x, models.run_plain, off)
         finally:
@@ -163,7 +163,7 @@ def test_fsdp2_offloading_gives_equal_parameters() -> None:
     # Without parameters travelling, a layer sends exactly what it sends without FSDP.
     torch.manual_seed(0)
     plain = Stack(4, 64)
-    off = offload.ActivationOffloader(plain.layers, min_tensor_bytes=1024)
+    off = offload.ActivationOffloader(plain.layers, offload_layers="all", min_tensor_bytes=1024)
     with off:
         plain(torch.randn(2, 32, 64)).square().mean()
     expected = [la.bytes_offloaded for la in off.stats.layers]

@@ -67,7 +67,7 @@ def _llama_step(dim: int, off_kw: dict | None) -> None:
         DEV, torch.bfloat16
     )
     off = None if off_kw is None else offload.ActivationOffloader(layers, **off_kw)
-    x = torch.randn(2, 1024, dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, 1024, dim, device=DEV, dtype=torch.bfloat16)
     models.step(layers, x, models.run_plain, off)
 
 

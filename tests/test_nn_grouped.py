@@ -220,7 +220,7 @@ def test_offloading_on_and_off_gives_bitwise_equal_main_grads():
 
     plain = run(build(), None)
     layers = build()
-    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     try:
         offloaded = run(layers, off)
         assert off.stats.bytes_offloaded > 0
