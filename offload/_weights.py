@@ -113,6 +113,40 @@ _NO_LIMIT = 1 << 62  # the weights must fit: no budget, a refusal is an error
 _MAX_SLAB = 256 << 20  # slabs of 256 MiB: several weights share one, little is wasted
 
 
+#: Live offloaders, for the optimizer guard below.
+_LIVE: weakref.WeakSet[WeightOffloader] = weakref.WeakSet()
+_GUARD: list[Any] = []
+
+
+def _install_optimizer_guard() -> None:
+    """Once per process: a global optimizer step pre-hook that refuses a step over
+    offloaded parameters that are not on the device (it would read empty storages:
+    PyTorch does not check, and the process may crash)."""
+    if not _GUARD:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _GUARD.append(register_optimizer_step_pre_hook(_optimizer_guard))
+
+
+def _optimizer_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for off in list(_LIVE):
+        owners = off._owners
+        if off._closed or not owners:
+            continue
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                slot = owners.get(id(p))
+                if slot is not None and not slot.resident:
+                    raise RuntimeError(
+                        f"offload: {type(optimizer).__name__}.step() over a parameter of "
+                        f"{slot.where}, whose weights are offloaded (no data on the device "
+                        f"outside its layer). Step inside `with offloader.resident():` "
+                        f"(grads='device'), or step a CPU optimizer on "
+                        f"offloader.host_parameters() and call offloader.push() "
+                        f"(grads='host')"
+                    )
+
+
 def _in_backward() -> bool:
     """Whether the calling thread runs inside autograd's engine (a backward)."""
     fn = getattr(torch._C, "_current_graph_task_id", None)
@@ -232,7 +266,6 @@ class _Slot:
         self.stores: list[_Store] = []
         self.params: list[_Param] = []
         self.expected: set[int] = set()  # ids of params that get a .grad in backward
-        self.pos = -1  # position in the prefetch order
         self.resident = True
         self.ready: Any = None  # event of the refill's H2D
         self.waited = True  # the compute stream waited for `ready`
@@ -247,7 +280,9 @@ class _Slot:
         self.bwd_active = False
         self.bwd_inputs = False
         self.seen: set[int] = set()
-        self.exc_stack: list[BaseException | None] = []
+        # per forward call in flight: (exception being handled when it began, its
+        # position in the call sequence, -1 inside a backward)
+        self.frames: list[tuple[BaseException | None, int]] = []
         self.hooks: list[Any] = []
 
     @property
@@ -262,10 +297,21 @@ class _Slot:
 class _Call:
     """One call of a slot's module whose outputs require grad: its backward's state."""
 
-    __slots__ = ("slot", "expected", "seen", "active", "ran", "dead", "handles", "__weakref__")
+    __slots__ = (
+        "slot",
+        "pos",
+        "expected",
+        "seen",
+        "active",
+        "ran",
+        "dead",
+        "handles",
+        "__weakref__",
+    )
 
-    def __init__(self, slot: int, expected: int) -> None:
+    def __init__(self, slot: int, pos: int, expected: int) -> None:
         self.slot = slot
+        self.pos = pos  # position in the call sequence (-1: called inside a backward)
         self.expected = expected  # inputs that require grad
         self.seen = 0
         self.active = False
@@ -556,7 +602,7 @@ class WeightOffloader:
         pin_memory: bool = True,
     ) -> None:
         self._setup(prefetch_layers, grads, pin_memory)
-        modules = _check_layers(layers)
+        modules, every = _check_layers(layers)
         plans = []
         for i, module in modules:
             plan = self._inspect(i, module)
@@ -574,6 +620,7 @@ class WeightOffloader:
         blocks = self._allocate(plans)
         for plan in plans:
             self._install(plan, blocks, running=False)
+        self._sequence = [self._modules[id(m)] for m in every if id(m) in self._modules]
 
     # ---- construction --------------------------------------------------------------
 
@@ -601,13 +648,18 @@ class WeightOffloader:
         self._lock = threading.RLock()
         self._closed = False
         self._slots: list[_Slot] = []
-        self._order: list[_Slot] = []
+        self._order: list[_Slot] = []  # each slot once, in `layers` order
+        self._sequence: list[_Slot] = []  # the calls of a forward: `layers` with repeats
+        self._cursor = -1  # position of the latest forward call in `_sequence`
         self._modules: dict[int, _Slot] = {}  # id(module) -> slot
         self._keys: dict[int, tuple[_Slot, str]] = {}  # storage key -> (slot, param name)
         self._calls: list[_Call] = []
         self._pending: list[tuple[int, Any, Any, Any]] = []  # (slot, event, stream, payload)
         self._cb_queued = False
         self._bwd_running = False
+        # backward prefetches waiting for the layer after theirs to be freed:
+        # (slot whose backward started, its position, the layer after it)
+        self._deferred: list[tuple[_Slot, int, _Slot]] = []
         self._device: torch.device | None = None
         self._backend: Backend | None = None
         self._pool: HostPool | None = None
@@ -615,7 +667,15 @@ class WeightOffloader:
         self._worker: _GradWorker | None = None
         self._last_h2d: Any = None
         self._ref = weakref.ref(self)
+        self._owners: dict[int, _Slot] = {}  # id(parameter) -> its slot
+        #: Host-to-device refills issued so far, and those issued only when their layer
+        #: was already starting (not prefetched: the copy cannot overlap compute).
         self.refills = 0
+        self.refills_on_demand = 0
+        #: Most layers on the device at once so far (see ``prefetch_layers``).
+        self.max_resident_layers = 0
+        _LIVE.add(self)
+        _install_optimizer_guard()
 
     def _inspect(self, index: int, module: nn.Module) -> _Plan | None:
         """Validate one layer; ``None`` when it has no parameter with elements."""
@@ -758,6 +818,7 @@ class WeightOffloader:
             for name, p in params:
                 prm = _Param(p, name, st, id(p) in plan.fused)
                 by_param[id(p)] = prm
+                self._owners[id(p)] = slot
                 slot.params.append(prm)
             self._keys[key] = (slot, params[0][0])
         for name, p in plan.named:  # a parameter registered under several names
@@ -782,11 +843,12 @@ class WeightOffloader:
         slot.stream = self._backend.current_stream()  # type: ignore[union-attr]
         self._slots.append(slot)
         self._modules[id(plan.module)] = slot
-        slot.pos = len(self._order)
         self._order.append(slot)
-        if running:
+        if running:  # adopted while it runs: the next call of the sequence
+            self._sequence.append(slot)
+            self._cursor = len(self._sequence) - 1
             slot.fwd = 1
-            slot.exc_stack.append(sys.exc_info()[1])
+            slot.frames.append((sys.exc_info()[1], self._cursor))
         else:
             self._free(slot)
         self._register(slot, module_hooks=not running)
@@ -844,14 +906,16 @@ class WeightOffloader:
         slot.resident = True
         slot.versions = [prm.param._version for prm in slot.params]
         self.refills += 1
+        resident = sum(1 for s in self._order if s.resident)
+        self.max_resident_layers = max(self.max_resident_layers, resident)
 
     def _wait_ready(self, slot: _Slot, stream: Any) -> None:
         """Step 3: ``stream`` waits for the refill before the layer's kernels."""
         if slot.ready is None:
             return
-        if not slot.waited or stream is not slot.stream:
+        if not slot.waited or stream != slot.stream:
             self._backend.wait(stream, slot.ready)  # type: ignore[union-attr]
-            if stream is slot.stream:
+            if stream == slot.stream:
                 slot.waited = True
 
     def _free(self, slot: _Slot) -> None:
@@ -910,19 +974,37 @@ class WeightOffloader:
             if not in_backward:
                 self._recover()
             stream = self._backend.current_stream()  # type: ignore[union-attr]
-            slot.exc_stack.append(sys.exc_info()[1])
+            pos = -1 if in_backward else self._advance(slot)
+            slot.frames.append((sys.exc_info()[1], pos))
             slot.want_fwd = False
             slot.fwd += 1
+            if not slot.resident:
+                self.refills_on_demand += 1
             self._make_resident(slot, stream)
             self._wait_ready(slot, stream)
             n = self.prefetch_layers
-            if n and not in_backward:
-                self._prefetch(self._order[slot.pos + 1 : slot.pos + 1 + n], stream, False)
+            if n and pos >= 0:
+                ahead = [s for s in self._sequence[pos + 1 : pos + 1 + n] if s is not slot]
+                for s in self._order:  # prefetched for calls that did not come
+                    if s.want_fwd and s is not slot and all(s is not t for t in ahead):
+                        s.want_fwd = False
+                        self._maybe_free(s)
+                self._prefetch(ahead, stream, False)
             if self.grads == "host":
                 self._set_staging(slot, allocate=False)
 
+    def _advance(self, slot: _Slot) -> int:
+        """The position of this call in the call sequence: the next occurrence of the
+        slot after the previous call, else its first one (a new forward)."""
+        seq = self._sequence
+        for p in (*range(self._cursor + 1, len(seq)), *range(0, len(seq))):
+            if seq[p] is slot:
+                self._cursor = p
+                return p
+        return -1
+
     def _forward_end(self, slot: _Slot, args: Any, kwargs: Any, output: Any) -> None:
-        before = slot.exc_stack.pop() if slot.exc_stack else None
+        before, pos = slot.frames.pop() if slot.frames else (None, -1)
         exc = sys.exc_info()[1]
         failed = exc is not None and exc is not before
         in_backward = _in_backward()
@@ -935,27 +1017,34 @@ class WeightOffloader:
                     if s.want_fwd:
                         s.want_fwd = False
                         self._maybe_free(s)
-            if (
-                outputs
-                and not in_backward
-                and self.prefetch_layers
-                and slot.pos >= len(self._order) - self.prefetch_layers
-            ):
+            if outputs and pos >= 0 and pos >= len(self._sequence) - self.prefetch_layers:
                 slot.want_bwd = True  # its backward comes right after the forward
             if self.grads == "host" and not slot.bwd_active:
                 self._unset_staging(slot)
             self._maybe_free(slot)
         if outputs:
-            self._register_backward(slot, args, kwargs, outputs)
+            self._register_backward(slot, pos, args, kwargs, outputs)
 
-    def _register_backward(self, slot: _Slot, args: Any, kwargs: Any, outputs: list) -> None:
+    def _register_backward(
+        self, slot: _Slot, pos: int, args: Any, kwargs: Any, outputs: list
+    ) -> None:
         inputs = _tensors_in((args, kwargs), [])
-        call = _Call(slot.sid, len(inputs))
+        call = _Call(slot.sid, pos, len(inputs))
         hook = _OutputHook(self._ref, call)
-        if len(outputs) == 1:
+        # An in-place op on an output that is a view (x += r on a reshaped GEMM result,
+        # inside the layer or after it) rebases the view's history: the node a hook on
+        # the view sits on leaves the graph, but the base's earlier node stays. So the
+        # bases of view outputs are watched too; the first gradient to arrive triggers.
+        targets: dict[int, torch.Tensor] = {}
+        for t in outputs:
+            targets[id(t)] = t
+            base = t._base
+            if base is not None and base.requires_grad:
+                targets[id(base)] = base
+        if len(targets) == 1:
             outputs[0].register_hook(hook)
         else:
-            torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(list(targets.values()), hook, mode="any")
         weakref.finalize(hook, _mark_dead, call)
         for t in inputs:
             call.handles.append(t.register_hook(functools.partial(_input_grad, self._ref, call)))
@@ -994,17 +1083,29 @@ class WeightOffloader:
                 slot.bwd_inputs = True
             slot.want_bwd = False
             stream = self._backend.current_stream()  # type: ignore[union-attr]
+            if not slot.resident:
+                self.refills_on_demand += 1
             self._make_resident(slot, stream)
             self._wait_ready(slot, stream)
             if self.grads == "host":
                 self._set_staging(slot, allocate=True)
-            n = self.prefetch_layers
-            if n:
-                lo = max(0, slot.pos - n)
-                self._prefetch(reversed(self._order[lo : slot.pos]), stream, True)
+            if self.prefetch_layers and call.pos > 0:
+                # The layer after this one usually ends its backward a moment later (the
+                # gradient that starts this layer completes that one's inputs): prefetch
+                # once it is freed, so at most prefetch_layers + 1 layers are resident.
+                pos = call.pos
+                after = self._sequence[pos + 1] if pos + 1 < len(self._sequence) else None
+                if after is not None and after is not slot and after.bwd_active:
+                    self._deferred.append((slot, pos, after))
+                else:
+                    self._prefetch_behind(slot, call.pos, stream)
             if not call.expected:
                 call.active = False
             self._check_done(slot)
+
+    def _prefetch_behind(self, slot: _Slot, pos: int, stream: Any) -> None:
+        behind = self._sequence[max(0, pos - self.prefetch_layers) : pos]
+        self._prefetch([s for s in reversed(behind) if s is not slot], stream, True)
 
     def _input_done(self, call: _Call) -> None:
         with self._lock:
@@ -1042,6 +1143,15 @@ class WeightOffloader:
         self._flush_staging(slot)
         self._release_pending(keep=slot.sid)
         self._maybe_free(slot)
+        if self._deferred:
+            stream = self._backend.current_stream()  # type: ignore[union-attr]
+            rest = []
+            for waiting, pos, blocker in self._deferred:
+                if blocker.bwd_active:
+                    rest.append((waiting, pos, blocker))
+                elif waiting.bwd_active:  # still needs the layers before it
+                    self._prefetch_behind(waiting, pos, stream)
+            self._deferred = rest
 
     def _end_backward(self) -> None:
         """Queued on autograd's engine at the first hook of a backward: runs when it ends."""
@@ -1054,12 +1164,14 @@ class WeightOffloader:
     def _cleanup_backward(self) -> None:
         """Free what the last backward left (lock held)."""
         self._bwd_running = False
+        self._deferred = []
         for slot in self._slots:
             if slot.bwd_active or slot.bwd:
                 self._flush_staging(slot)
             slot.bwd = 0
             slot.bwd_active = False
             slot.want_bwd = False
+            slot.want_fwd = False
         keep = []
         for call in self._calls:
             if call.ran or call.dead:
@@ -1430,6 +1542,7 @@ class WeightOffloader:
                 for h in call.handles:
                     h.remove()
             self._calls = []
+            self._owners = {}
             # The host slabs go now: wait until no copy reads them.
             backend.host_wait(backend.record(stream))
             backend.host_wait(self._last_h2d)
@@ -1489,7 +1602,7 @@ class WeightOffloader:
             blocks = self._allocate([plan])
             slot = self._install(plan, blocks, running=True)
             n = self.prefetch_layers
-            for s in self._order[: max(0, len(self._order) - n)]:
+            for s in self._sequence[: max(0, len(self._sequence) - n)]:
                 if s.want_bwd and not s.bwd_active:  # no longer among the last n
                     s.want_bwd = False
                     self._maybe_free(s)
@@ -1521,7 +1634,8 @@ def _covered_bytes(params: list[torch.Tensor]) -> int:
     return total
 
 
-def _check_layers(layers: Any) -> list[tuple[int, nn.Module]]:
+def _check_layers(layers: Any) -> tuple[list[tuple[int, nn.Module]], list[nn.Module]]:
+    """``(first position and module of each distinct module, every module in order)``."""
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
         raise TypeError(
             f"layers must be a sequence of nn.Module (the repeated blocks, e.g. model.layers "
@@ -1540,7 +1654,7 @@ def _check_layers(layers: Any) -> list[tuple[int, nn.Module]]:
         if id(layer) not in seen:
             seen.add(id(layer))
             out.append((i, layer))
-    return out
+    return out, layers
 
 
 # --------------------------------------------------------------------------------------
@@ -1610,6 +1724,11 @@ class _ManualWeights:
 
     def sync(self, output: Any) -> Any:
         return self._sync(output)
+
+    def __getattr__(self, name: str) -> Any:  # the activation context's stats, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
 
 def manual_weight_context(
