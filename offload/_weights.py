@@ -324,15 +324,21 @@ class _OutputHook:
     """The hook on a call's output gradient (its backward begins). Its death, with the
     graph that holds it, marks the call dead."""
 
-    __slots__ = ("owner", "call", "__weakref__")
+    __slots__ = ("owner", "call", "inputs_of", "__weakref__")
 
     def __init__(self, owner: weakref.ref, call: _Call) -> None:
         self.owner = owner
         self.call = call
+        # Later calls that take this very tensor as input: its gradient completes that
+        # input of theirs. Told first, so the layer after is freed before this one's
+        # backward refills anything.
+        self.inputs_of: list[_Call] = []
 
     def __call__(self, _grad: Any) -> None:
         off = self.owner()
         if off is not None:
+            for call in self.inputs_of:
+                off._input_done(call)
             off._backward_start(self.call)
 
 
@@ -654,6 +660,9 @@ class WeightOffloader:
         self._modules: dict[int, _Slot] = {}  # id(module) -> slot
         self._keys: dict[int, tuple[_Slot, str]] = {}  # storage key -> (slot, param name)
         self._calls: list[_Call] = []
+        # id(output tensor) -> (weak reference to it, its _OutputHook): single-tensor
+        # hooks, which later calls taking that tensor as input join
+        self._out_hooks: dict[int, tuple[weakref.ref, _OutputHook]] = {}
         self._pending: list[tuple[int, Any, Any, Any]] = []  # (slot, event, stream, payload)
         self._cb_queued = False
         self._bwd_running = False
@@ -1031,6 +1040,14 @@ class WeightOffloader:
         inputs = _tensors_in((args, kwargs), [])
         call = _Call(slot.sid, pos, len(inputs))
         hook = _OutputHook(self._ref, call)
+        for t in inputs:
+            entry = self._out_hooks.get(id(t))
+            if entry is not None and entry[0]() is t:  # the output of an earlier call
+                entry[1].inputs_of.append(call)
+            else:
+                call.handles.append(
+                    t.register_hook(functools.partial(_input_grad, self._ref, call))
+                )
         # An in-place op on an output that is a view (x += r on a reshaped GEMM result,
         # inside the layer or after it) rebases the view's history: the node a hook on
         # the view sits on leaves the graph, but the base's earlier node stays. So the
@@ -1043,11 +1060,10 @@ class WeightOffloader:
                 targets[id(base)] = base
         if len(targets) == 1:
             outputs[0].register_hook(hook)
+            self._out_hooks[id(outputs[0])] = (weakref.ref(outputs[0]), hook)
         else:
             torch.autograd.graph.register_multi_grad_hook(list(targets.values()), hook, mode="any")
         weakref.finalize(hook, _mark_dead, call)
-        for t in inputs:
-            call.handles.append(t.register_hook(functools.partial(_input_grad, self._ref, call)))
         with self._lock:
             self._calls.append(call)
 
@@ -1165,6 +1181,7 @@ class WeightOffloader:
         """Free what the last backward left (lock held)."""
         self._bwd_running = False
         self._deferred = []
+        self._out_hooks = {k: v for k, v in self._out_hooks.items() if v[0]() is not None}
         for slot in self._slots:
             if slot.bwd_active or slot.bwd:
                 self._flush_staging(slot)
@@ -1195,6 +1212,7 @@ class WeightOffloader:
             self._cleanup_backward()
             if self._worker is not None:
                 self._worker.drain()
+        self._out_hooks = {k: v for k, v in self._out_hooks.items() if v[0]() is not None}
         if any(c.dead for c in self._calls):
             keep = []
             for call in self._calls:
