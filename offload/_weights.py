@@ -538,13 +538,22 @@ class WeightOffloader:
     activation offloader recognises the refilled weights (and their ``weight.t()``
     views) as parameters on every forward and never moves them.
 
-    ``model.state_dict()`` returns the offloaded parameters as full CPU tensors (views of
-    the host copies, also with ``keep_vars=True``; a layer that is on the device at
-    that moment gives its device tensors); ``model.load_state_dict(sd)`` (not
-    ``assign=True``) fills each layer on the device one at a time and writes it back to
-    the host. Call :meth:`close` (or leave the ``with`` block) before moving, casting or
+    ``model.state_dict()`` returns the offloaded parameters as full CPU tensors: views of
+    the host copies (brought up to date first when a layer changed on the device), also
+    with ``keep_vars=True``. ``model.load_state_dict(sd)`` (not ``assign=True``) fills
+    each layer on the device, one at a time, and writes it back to the host. Call
+    :meth:`close` (or leave the ``with`` block) before moving, casting, copying or
     re-sharding the model: it puts every parameter back on the device. The offloader
     also closes itself when garbage collected, so keep a reference to it.
+
+    **Outside its layer** (its forward, its backward, :meth:`resident`) an offloaded
+    parameter has no data on the device. Do not read it there: printing it,
+    ``copy.deepcopy(model)``, ``model.to(...)``, a tied use by another module (an
+    embedding tied to an offloaded head). PyTorch does not check storage sizes in most
+    kernels, so such a read may crash the process (a segmentation fault on the CPU, an
+    illegal memory access on CUDA) instead of raising. ``optimizer.step()`` over such
+    parameters is refused with a ``RuntimeError`` (a global optimizer step pre-hook);
+    :meth:`check` finds parameters tied to modules outside ``layers``.
 
     Without an accelerator (parameters on the CPU) the same logic runs synchronously
     with plain CPU tensors: nothing is saved, and every decision is testable in CI.
@@ -576,10 +585,12 @@ class WeightOffloader:
             ``grads="host"`` and a fused layer's weight already has a ``main_grad``.
         RuntimeError: the host refuses the pinned memory.
 
-    A parameter of an offloaded layer that is also used outside ``layers`` (an
-    embedding tied to an offloaded head) is not on the device there: PyTorch raises a
-    ``RuntimeError`` about a storage of size 0. :meth:`check` finds such parameters in
-    a model ahead of time.
+    Attributes:
+        refills: host-to-device refills issued so far.
+        refills_on_demand: those issued when their layer was already starting (not
+            prefetched, so the copy could not overlap compute; the first layer of each
+            forward always is).
+        max_resident_layers: most layers whose weights were on the device at once.
 
     Example:
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import threading
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
+from offload._device import Backend
 from offload._weights import WeightOffloader
 from tests import models
 
@@ -714,3 +716,139 @@ def test_fsdp2_is_refused_with_a_pointer_to_cpu_offload_policy() -> None:
     finally:
         if started:
             dist.destroy_process_group()
+
+
+# ---- the CUDA path's waits, with copies that land as late as allowed --------------------
+
+
+class _LateEvent:
+    """Copies that run only when someone waits for them (or for a later event of the
+    same stream): the latest moment a real copy stream could finish them."""
+
+    def __init__(self, copies: list, prev: _LateEvent | None) -> None:
+        self.copies = copies
+        self.prev = prev
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        if self.prev is not None:
+            self.prev.run()
+        with self.lock:
+            copies, self.copies = self.copies, []
+            for src, dst in copies:
+                dst.copy_(src)
+
+
+class LateBackend(Backend):
+    """``CudaBackend``'s contract on the CPU: a device-to-host copy reads its source only
+    when waited for, a host-to-device copy fills its destination with garbage at once
+    and writes it only when waited for. A missing wait reads garbage (a mismatch) or an
+    emptied storage (an error)."""
+
+    is_async = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.stream = object()
+        self.pending: list = []
+        self.last_d2h: _LateEvent | None = None
+        self.last_h2d: _LateEvent | None = None
+
+    def current_stream(self):
+        return self.stream
+
+    def d2h(self, src, dst, fence, times=None):
+        if fence is not None:
+            fence.run()
+        self.pending.append((src, dst))
+
+    def record_d2h(self):
+        self.last_d2h = _LateEvent(self.pending, self.last_d2h)
+        self.pending = []
+        return self.last_d2h
+
+    def h2d(self, pairs, waits, stream, times=None):
+        for event in waits:
+            if event is not None:
+                event.run()
+        for _src, dst in pairs:
+            dst.fill_(255)  # not written yet: NaN in every float dtype
+        self.last_h2d = _LateEvent(list(pairs), self.last_h2d)
+        return self.last_h2d
+
+    def wait(self, stream, event, times=None):
+        if event is not None:
+            event.run()
+
+    def record(self, stream):
+        return _LateEvent([], None)
+
+    def host_wait(self, event):
+        if event is not None:
+            event.run()
+
+
+@pytest.fixture
+def late_copies(monkeypatch):
+    import offload._weights as impl
+
+    monkeypatch.setattr(impl, "backend_for", LateBackend)
+
+
+@pytest.mark.parametrize("grads", ["device", "host"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_late_copies_still_bitwise(late_copies, grads: str, prefetch: int) -> None:
+    layers, ref = llama(), llama()
+    xs = inputs(3)
+    ref_opt = train_reference(ref, xs)
+    off = WeightOffloader(layers, prefetch_layers=prefetch, grads=grads)
+    assert isinstance(off._backend, LateBackend)
+    acts = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    stepped = off.host_parameters() if grads == "host" else list(layers.parameters())
+    opt = torch.optim.AdamW(stepped, lr=1e-2)
+    for x in xs:
+        with acts:
+            loss = loss_of(layers, x.clone().requires_grad_(True))
+        loss.backward()
+        assert off.resident_layers == []
+        if grads == "host":
+            opt.step()
+            off.push()
+        else:
+            with off.resident():
+                opt.step()
+        opt.zero_grad()
+    sd = layers.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(sd[key], value), key
+    assert_equal_states(opt, stepped, ref_opt, list(ref.parameters()))
+    off.close()
+    acts.close()
+    assert_equal_params(layers.parameters(), ref.parameters())
+
+
+def test_late_copies_fused_lora_and_checkpointing(late_copies) -> None:
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleList([FusedBlock(), LoraBlock(), FusedBlock()])
+
+    def runner(ls, h):
+        return models.run_checkpointed(ls, h, reentrant=False)
+
+    layers, ref = build(), build()
+    offload.main_grad.attach(ref)
+    x = torch.randn(2, 8, DIM)
+    want = loss_of(ref, x.clone().requires_grad_(True), runner)
+    want.backward()
+    off = WeightOffloader(layers, grads="host")
+    for _ in range(2):
+        for m in off.host_parameters():
+            m.grad = None
+        got = loss_of(layers, x.clone().requires_grad_(True), runner)
+        got.backward()
+        assert torch.equal(got.detach(), want.detach())
+        assert off.resident_layers == []
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    for m, p in zip(off.host_parameters(), trainable):
+        assert torch.equal(m.grad, p.main_grad if p.grad is None else p.grad)
+    off.close()
