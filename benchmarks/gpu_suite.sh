@@ -3,7 +3,7 @@
 #   PYTHONPATH=. bash benchmarks/gpu_suite.sh
 # 1. the CUDA tests (pytest -m cuda; torchao from .whl/ when present, else its test skips),
 # 2. the ref-8L activation benchmark, 3. the MoE fused-wgrad benchmark,
-# 4. examples/hf_llama.py --size 1b.
+# 4. examples/hf_llama.py --size 1b, 5. the weight offloading benchmark and example.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
@@ -21,3 +21,6 @@ timeout 120 python3 benchmarks/bench_moe_wgrad.py --out "$OUT/bench_moe_wgrad.js
   | tee "$OUT/bench_moe_wgrad.log" | tail -15
 timeout 180 python3 examples/hf_llama.py --size 1b --out "$OUT/hf_llama_1b.json" 2>&1 \
   | tee "$OUT/hf_llama_1b.log" | tail -12
+timeout 240 python3 benchmarks/bench_weights.py --out "$OUT/bench_weights.json" 2>&1 \
+  | tee "$OUT/bench_weights.log" | tail -25
+timeout 180 python3 examples/weights.py 2>&1 | tee "$OUT/weights_example.log" | tail -12

@@ -3,8 +3,8 @@ layers live in host memory (``offload.WeightOffloader(grads="host")``), their gr
 are accumulated on the host and a CPU AdamW updates them.
 
 Run:
-    PYTHONPATH=. python3 examples/weights.py                   # GPU: 12 x 2048 layers, 6 GiB budget
-    PYTHONPATH=. python3 examples/weights.py --budget-gib 4 --layers 16
+    PYTHONPATH=. python3 examples/weights.py                   # GPU: 16 x 2048 layers, 8 GiB budget
+    PYTHONPATH=. python3 examples/weights.py --budget-gib 12 --layers 32
     PYTHONPATH=. python3 examples/weights.py --device cpu      # tiny sizes, a few seconds
 
 What it does: a Llama-style model (embedding, ``--layers`` blocks of width ``--dim``,
@@ -76,16 +76,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--layers", type=int, default=None, help="default 12 (GPU), 4 (CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="default 16 (GPU), 4 (CPU)")
     parser.add_argument("--dim", type=int, default=None, help="default 2048 (GPU), 64 (CPU)")
     parser.add_argument("--seq", type=int, default=None, help="default 1024 (GPU), 32 (CPU)")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--budget-gib", type=float, default=6.0, help="GPU memory allowed")
+    parser.add_argument("--budget-gib", type=float, default=8.0, help="GPU memory allowed")
     parser.add_argument("--lr", type=float, default=None, help="default 1e-3 (GPU), 5e-3 (CPU)")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    layers = args.layers or (12 if gpu else 4)
+    layers = args.layers or (16 if gpu else 4)
     dim = args.dim or (2048 if gpu else 64)
     seq = args.seq or (1024 if gpu else 32)
     heads = max(1, dim // 128) if gpu else 4
