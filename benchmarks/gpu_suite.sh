@@ -8,6 +8,8 @@
 #   ref8l     benchmarks/bench_activations.py (ref-8L: k = 1, 2, 4, 7, auto, save_on_cpu)
 #   profile   python -m offload profile on ref-8L with k = 4 (JSON for the timeline PNG)
 #   auto      benchmarks/bench_auto.py (auto vs every k, ref-8L and an HF Llama ~1B)
+#   weights   benchmarks/bench_weights.py and examples/weights.py
+#   ckpt      benchmarks/bench_checkpoint.py
 #   hostprof  benchmarks/hostprof.py (cProfile of tiny48 steps, k=0 and all)
 #   extra     any benchmark named in $EXTRA (a shell command), for work in progress
 set -uo pipefail
@@ -37,6 +39,11 @@ for part in $parts; do
     auto) timeout 300 python3 benchmarks/bench_auto.py --out "$OUT/bench_auto.json" 2>&1 | tail -30 ;;
     hostprof) for sel in 0 all; do timeout 90 python3 benchmarks/hostprof.py \
              --offload-layers $sel --top 22 2>&1 | tee "$OUT/hostprof_$sel.log" | head -34; done ;;
+    weights) timeout 240 python3 benchmarks/bench_weights.py --out "$OUT/bench_weights.json" 2>&1 \
+             | tee "$OUT/bench_weights.log" | tail -25
+             timeout 180 python3 examples/weights.py 2>&1 | tee "$OUT/weights_example.log" | tail -12 ;;
+    ckpt) timeout 300 python3 benchmarks/bench_checkpoint.py --out "$OUT/bench_checkpoint.json" \
+             2>&1 | tee "$OUT/bench_checkpoint.log" | tail -25 ;;
     extra) bash -c "${EXTRA:-true}" ;;
   esac
 done

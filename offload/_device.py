@@ -90,6 +90,19 @@ class Backend:
     def wait_current(self, event: Any, times: Times | None = None) -> None:
         """Make the current stream wait for ``event``."""
 
+    def record(self, stream: Any) -> Any:
+        """An event marking everything queued on ``stream`` so far (``None`` here)."""
+        return None
+
+    def host_wait(self, event: Any) -> None:
+        """Block the calling thread until ``event`` has completed (no-op for ``None``).
+
+        Never on the hot path: for host code that reads or writes host bytes a copy may
+        still be using (weight offloading's ``push()``, ``state_dict()``, its gradient
+        worker thread)."""
+        if event is not None:
+            event.synchronize()
+
 
 class SyncBackend(Backend):
     """Every copy completes before the call returns; events are ``None``; nothing ever
@@ -199,6 +212,9 @@ class CudaBackend(Backend):
 
     def wait_current(self, event: Any, times: Times | None = None) -> None:
         self.wait(torch.cuda.current_stream(self.device), event, times)
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        return stream.record_event()
 
 
 def backend_for(device: torch.device) -> Backend:

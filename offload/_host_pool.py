@@ -109,14 +109,18 @@ class HostPool:
     Args:
         limit: most bytes the pool may reserve. ``None`` uses :func:`default_host_limit`.
         pin: page-lock the slabs (only meaningful with an accelerator).
+        min_slab: smallest slab asked for (rounded up to a power of two). Default
+            ``None``: :data:`MIN_SLAB_BYTES` (the weight offloader passes a larger one, so
+            that many weights share a slab).
 
     Invariants: ``in_use_bytes <= reserved_bytes <= limit``; a block is handed out to one
     owner at a time; ``close()`` returns every slab to the system.
     """
 
-    def __init__(self, limit: int | None, pin: bool) -> None:
+    def __init__(self, limit: int | None, pin: bool, min_slab: int | None = None) -> None:
         self.limit = default_host_limit() if limit is None else int(limit)
         self.pin = pin
+        self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
         self._slabs: list[_Slab] = []
         self._lock = threading.Lock()
         self.reserved_bytes = 0
@@ -151,7 +155,8 @@ class HostPool:
         return HostBlock(slab, slab.take(index, nbytes), nbytes, length)
 
     def _grow(self, nbytes: int) -> _Slab | None:
-        size = max(MIN_SLAB_BYTES, _next_pow2(nbytes))
+        floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
+        size = max(floor, _next_pow2(nbytes))
         if self.reserved_bytes + size > self.limit:
             # Empty slabs that are too small for this request are worth less than one
             # that fits: return them first.

@@ -664,13 +664,15 @@ def get_cpu_offload_context(
             Default 1.
         model_layers: groups per forward. Default 1.
         offload_activations: offload saved activations. Default ``True``.
-        offload_weights: must be ``False``; use :class:`offload.WeightOffloader`.
+        offload_weights: also offload the weights of the modules called inside the
+            first ``num_layers`` groups, with an :class:`offload.WeightOffloader`
+            (``context.weights``) that adopts each module at its first call. Default
+            ``False``.
         double_buffering: as in :class:`ActivationOffloader`. Default ``False``.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: ``num_layers`` or ``model_layers`` is out of range.
-        NotImplementedError: ``offload_weights=True``.
 
     Example:
         >>> ctx, sync = get_cpu_offload_context(True, num_layers=1, model_layers=2)
@@ -695,11 +697,6 @@ def get_cpu_offload_context(
             raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
     if not enabled:
         return contextlib.nullcontext(), _identity
-    if offload_weights:
-        raise NotImplementedError(
-            "offload_weights=True is not supported by get_cpu_offload_context (as in "
-            "TransformerEngine); use offload.WeightOffloader for weights"
-        )
     if model_layers < 1:
         raise ValueError(f"model_layers={model_layers}: must be >= 1")
     if not 0 <= num_layers <= model_layers - 1:
@@ -708,10 +705,16 @@ def get_cpu_offload_context(
             f"= {model_layers - 1} (as in TransformerEngine)"
         )
     if not offload_activations:
-        return contextlib.nullcontext(), _identity
-    config = OffloadConfig(offload_layers=num_layers, double_buffering=double_buffering)
-    ctx = _ManualContext(num_layers, model_layers, config)
-    return ctx, ctx.sync
+        pair: tuple[Any, Callable[[Any], Any]] = (contextlib.nullcontext(), _identity)
+    else:
+        config = OffloadConfig(offload_layers=num_layers, double_buffering=double_buffering)
+        ctx = _ManualContext(num_layers, model_layers, config)
+        pair = (ctx, ctx.sync)
+    if offload_weights:  # weights too: offload/_weights.py wraps the pair
+        from offload._weights import manual_weight_context
+
+        return manual_weight_context(pair, num_layers, model_layers)
+    return pair
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
-"""Weight offloading (docs/design.md 4.10)."""
+"""Weight offloading (docs/design.md 4.10): :class:`WeightOffloader`.
 
+The implementation lives in ``offload/_weights.py``, whose ``# Note [weight residency]``
+says when each weight is on the device and why every wait is safe.
+"""
 
-class WeightOffloader:  # placeholder: not part of this milestone
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("WeightOffloader is not implemented yet")
+from offload._weights import WeightOffloader
+
+__all__ = ["WeightOffloader"]

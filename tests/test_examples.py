@@ -164,6 +164,16 @@ def test_fsdp2_torchrun_two_processes() -> None:
     _check_fsdp2(out, world=2)
 
 
+def test_weights_example() -> None:
+    """examples/weights.py on the CPU: the blocks' weights offloaded with grads="host",
+    a CPU AdamW on the host masters; the loss of its one batch goes down."""
+    out = _run([str(_example("weights.py")), "--steps", "4"])
+    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", out)]
+    assert len(losses) == 4, out[-2000:]
+    assert losses[-1] < losses[0], losses
+    assert "at most 2 of 4 blocks on the device at once" in out, out[-2000:]
+
+
 # ---- examples owned elsewhere --------------------------------------------------------
 
 
