@@ -911,6 +911,7 @@ def checkpoint(
 
     Example:
         >>> import offload, torch
+        >>> _ = offload.checkpoint_stats(reset=True)  # counters start at zero
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
         >>> x = torch.randn(512, 256, requires_grad=True)  # 512 KiB per layer input
         >>> h = x

@@ -170,6 +170,7 @@ def test_peak_memory_drops_by_the_checkpoint_inputs(prefetch) -> None:
         _step_peak(layers, make_input, torch_ckpt)
         _step_peak(layers, make_input, off.checkpoint)
     plain = _step_peak(layers, make_input, torch_ckpt)
+    off.reset_stats()
     ours = _step_peak(layers, make_input, off.checkpoint)
     drop = plain - ours
     # at the peak (backward of the last layer) torch holds all n inputs; offloaded, the
@@ -272,9 +273,8 @@ def test_hf_llama_bf16_sdpa() -> None:
         use_cache=False,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", torch_dtype=torch.bfloat16
-    ).to(DEV)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to(DEV, torch.bfloat16)
     model.train()
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
