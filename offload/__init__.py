@@ -5,6 +5,7 @@ created until the first forward that offloads something.
 """
 
 from offload import integrations, main_grad, nn
+from offload._checkpoint import CheckpointOffloader, CheckpointStats, checkpoint, checkpoint_stats
 from offload._profile import MemoryProfile, profile_step
 from offload.activations import (
     ActivationOffloader,
@@ -26,6 +27,11 @@ __all__ = [
     "OffloadConfig",
     "no_offload",
     "get_cpu_offload_context",
+    # checkpointing: checkpoint inputs in host memory
+    "checkpoint",
+    "CheckpointOffloader",
+    "CheckpointStats",
+    "checkpoint_stats",
     # weight offloading
     "WeightOffloader",
     # layers with fused weight-gradient accumulation

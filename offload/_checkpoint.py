@@ -1,0 +1,949 @@
+"""Offloaded activation checkpointing: :func:`checkpoint`, :class:`CheckpointOffloader`.
+
+Checkpointing keeps, per checkpointed call, only what the recomputation needs: the
+call's inputs. With L checkpointed layers that is L x batch x seq x hidden x itemsize
+bytes, which dominates at long sequences. :func:`checkpoint` is a drop-in for
+``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``
+that keeps those inputs in (pinned) host memory instead and brings them back ahead of the
+recomputation.
+
+Note [checkpoint inputs]
+~~~~~~~~~~~~~~~~~~~~~~~~
+What keeps a checkpoint's device inputs alive in torch's non-reentrant implementation
+(``_checkpoint_without_reentrant_generator``, torch 2.6 to 2.13):
+
+* the positional tensor arguments are saved for the recomputation, as saved variables
+  of the checkpoint's frame (``_NoopSaveInputs.save_for_backward`` up to torch 2.11,
+  ``_CheckpointFrame.save_inputs`` / ``_make_saved_tensor`` in 2.13). They live as
+  long as the frame, i.e. as long as any tensor saved inside the region;
+* ``recompute_fn`` is a closure over ``fn`` and ``kwargs``: tensors passed by keyword,
+  tensors nested in containers, and anything ``fn`` itself captures stay referenced;
+* nothing else holds data: RNG states are host-side, the device type is a string, the
+  determinism check records shape/dtype/device only.
+
+So this module never hands torch a device input it offloads. For each call,
+
+1. *Stash.* The arguments (positional, keyword, and tensors nested in tuple/list/dict
+   containers) are flattened. Each tensor is kept (passed to torch as is, with a reason:
+   ``parameter``, ``small``, ``device``, ``unsupported``, ``opted_out``, ``host_limit``)
+   or copied to a host block of the pool at once: the D2H stream waits for the current
+   (compute) stream first, so the copy starts after the kernel that wrote the bytes
+   (design 4.1(a)), and for the pool's H2D fence (4.1(d)). Views of one storage share
+   one copy when their spans touch; a span copied by an earlier call that is still alive
+   (same storage, span and version) is reused (``bytes_shared``).
+2. *Forward.* ``torch.utils.checkpoint.checkpoint(record, *slots, use_reentrant=False)``
+   runs with a 0-element placeholder on the same device in place of every offloaded
+   tensor (so torch still stashes that device's RNG state and picks its autocast
+   settings), and the kept tensors themselves. ``record`` is called by torch once in
+   the forward: it then calls ``function`` with the caller's original objects, so the
+   autograd graph connects to the real inputs exactly as with torch.
+3. *Release.* When the forward returns, the compute stream waits (on the device, not
+   the host) for the record's D2H event, and the record drops every reference to the
+   device inputs. From then on only the caller's own references keep them; when those
+   go, the caching allocator can hand the blocks to later kernels of the compute
+   stream, which are queued behind that wait, so none overwrites a block before its copy
+   read it (4.1(b)). The versions recorded at stash time are compared first: a tensor
+   modified in place during the call poisons the record, and its recomputation raises
+   autograd's "modified by an inplace operation" error. A change made after the call
+   cannot be seen (the record no longer watches the tensor).
+4. *Prefetch.* Each call registers ``register_multi_grad_hook(outputs, mode="any")``:
+   when the first gradient of call i's outputs arrives (its backward starts), the
+   inputs of the ``prefetch_layers`` calls made before it on this thread (i-1, ...) are
+   reloaded: buffers are allocated in the pool of the compute stream recorded at the
+   forward; the H2D stream waits for that stream (4.1(e)) and for the copies' D2H
+   events, copies, and records a reload event, which becomes the pool's H2D fence.
+5. *Recompute.* Torch calls ``record`` again from its unpack hook. A record not
+   prefetched is reloaded here (on demand). The current stream waits for the reload
+   event (4.1(c)), each tensor is rebuilt with its dtype, shape, strides and
+   ``requires_grad`` as a view of the reloaded bytes, and ``function`` runs on them.
+   The record then drops the buffers: what the recomputation saved keeps them alive
+   exactly as long as the backward needs them. Another backward of a retained graph
+   reloads again.
+6. *Death.* The record lives as long as torch's frame (the graph's saved tensors). A
+   prefetched buffer never used is waited for on its stream before it is dropped
+   (4.1(e)). A host block returns to the pool when the last record using it dies; a
+   block freed while a lock is held elsewhere is queued and freed by the next caller.
+
+An exception in the forward waits for the record's D2H copies on the compute stream,
+drops its device references and returns its host blocks at once (the pool's in-use
+bytes go back to where they were); a later recomputation from that graph raises.
+
+Without an accelerator the same steps run synchronously (``SyncBackend``): copies into
+pool buffers (not pinned), no events, nothing waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _torch_ckpt
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _python_dispatch
+
+from offload import _packing
+from offload._device import Backend, backend_for
+from offload._handles import inplace_message
+from offload._host_pool import HostBlock, HostPool
+from offload._warn import warn_at_caller
+
+__all__ = [
+    "CHECKPOINT_KEEP_REASONS",
+    "CheckpointOffloader",
+    "CheckpointStats",
+    "checkpoint",
+    "checkpoint_stats",
+]
+
+#: Keyword arguments of ``torch.utils.checkpoint.checkpoint`` itself (passed through);
+#: every other keyword goes to ``function``.
+_TORCH_KWARGS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+#: Every reason a checkpoint input stays on the device.
+CHECKPOINT_KEEP_REASONS: tuple[str, ...] = (
+    "small",
+    "parameter",
+    "opted_out",
+    "device",
+    "unsupported",
+    "host_limit",
+)
+
+# Containers whose items are searched for tensors (exact types: subclasses such as
+# namedtuples or Hugging Face ModelOutputs are passed as they are, like any object).
+_MAX_DEPTH = 8
+
+
+def _reasons() -> dict[str, int]:
+    return dict.fromkeys(CHECKPOINT_KEEP_REASONS, 0)
+
+
+@dataclasses.dataclass
+class CheckpointStats:
+    """What offloaded checkpointing did since the offloader was made (or last reset).
+
+    Counters accumulate over every call; ``reset_stats()`` (or
+    ``checkpoint_stats(reset=True)``) zeroes them. The pool figures are read when the
+    stats are.
+
+    Attributes:
+        calls: checkpointed calls that ran with offloading (calls without gradients,
+            inside a backward or under ``torch.compile`` are plain checkpoints and not
+            counted).
+        tensors_offloaded: input tensors whose bytes went to the host (or reused a host
+            copy made by an earlier call).
+        bytes_offloaded: bytes copied device -> host.
+        bytes_shared: bytes of inputs that reused a host copy of an earlier live call
+            (the same storage span and version, e.g. a mask passed to every layer).
+        bytes_reloaded: bytes copied host -> device (prefetches and on-demand reloads).
+        bytes_kept: bytes of tensor inputs left on the device, by reason (see
+            ``CHECKPOINT_KEEP_REASONS``): ``small`` (fewer than ``min_tensor_bytes``),
+            ``parameter`` (an ``nn.Parameter``), ``opted_out`` (inside
+            :func:`offload.no_offload` or marked ``_do_not_offload``), ``device`` (not on
+            the call's device, or not a CPU/CUDA tensor), ``unsupported`` (a tensor
+            subclass or a non-strided layout), ``host_limit`` (host budget reached).
+        reloads_prefetched: calls whose inputs were reloaded by the backward of a later
+            call, ahead of their recomputation.
+        reloads_on_demand: calls whose inputs were reloaded by their own recomputation.
+        host_pool_bytes: host bytes handed out now.
+        host_pool_reserved_bytes: host bytes the pool holds.
+        host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
+    """
+
+    calls: int = 0
+    tensors_offloaded: int = 0
+    bytes_offloaded: int = 0
+    bytes_shared: int = 0
+    bytes_reloaded: int = 0
+    bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
+    reloads_prefetched: int = 0
+    reloads_on_demand: int = 0
+    host_pool_bytes: int = 0
+    host_pool_reserved_bytes: int = 0
+    host_pool_peak_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------
+# flattening the arguments
+
+
+def _flatten(obj: Any, leaves: list[torch.Tensor], depth: int = 0) -> Any:
+    """A spec of ``obj`` with every tensor replaced by its index in ``leaves``."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return ("t", len(leaves) - 1)
+    kind = type(obj)
+    if depth < _MAX_DEPTH:
+        if kind is tuple or kind is list:
+            return ("s", kind, [_flatten(x, leaves, depth + 1) for x in obj])
+        if kind is dict:
+            return ("d", list(obj), [_flatten(x, leaves, depth + 1) for x in obj.values()])
+    return ("c", obj)
+
+
+def _unflatten(spec: Any, leaves: list[torch.Tensor]) -> Any:
+    tag = spec[0]
+    if tag == "t":
+        return leaves[spec[1]]
+    if tag == "s":
+        return spec[1](_unflatten(s, leaves) for s in spec[2])
+    if tag == "d":
+        return {k: _unflatten(s, leaves) for k, s in zip(spec[1], spec[2])}
+    return spec[1]
+
+
+def _grad_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors that require grad in a call's output (tensor, tuple, list, dict)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif depth < _MAX_DEPTH:
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                _grad_tensors(item, out, depth + 1)
+        elif isinstance(obj, dict):  # also Hugging Face ModelOutput (an OrderedDict)
+            for item in obj.values():
+                _grad_tensors(item, out, depth + 1)
+    return out
+
+
+def _kept_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except RuntimeError:  # nested, sparse
+        return 0
+
+
+# --------------------------------------------------------------------------------------
+# host copies, slots and records
+
+
+class _HostCopy:
+    """One span of one device storage in one host block, shared by the live records
+    that use it; its death returns the block to the pool (Note [checkpoint inputs], 6)."""
+
+    __slots__ = ("rt", "block", "start", "end", "version", "ref", "d2h_event", "__weakref__")
+
+    def __init__(self, rt: _Runtime, block: HostBlock, start: int, end: int, version: int):
+        self.rt = rt
+        self.block: HostBlock | None = block
+        self.start = start
+        self.end = end
+        self.version = version
+        self.ref: StorageWeakRef | None = None
+        self.d2h_event: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def __del__(self) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            self.rt.free(block)
+
+
+class _Slot:
+    """An offloaded argument: which copy holds its bytes and how to rebuild it."""
+
+    __slots__ = ("copy", "offset", "dtype", "size", "stride", "requires_grad", "version")
+
+    def __init__(self, copy: _HostCopy, offset: int, t: torch.Tensor) -> None:
+        self.copy = copy
+        self.offset = offset  # bytes from the start of the copy
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.requires_grad = t.requires_grad
+        self.version = t._version
+
+
+class _Record:
+    """One checkpointed call: the function, the argument structure, the host copies.
+
+    Torch's checkpoint frame holds it as the checkpointed function (``__call__``), so it
+    lives exactly as long as the graph that can recompute the call. It holds no device
+    input after the forward (Note [checkpoint inputs], 3).
+    """
+
+    __slots__ = (
+        "rt",
+        "function",
+        "spec",
+        "slots",
+        "copies",
+        "device",
+        "backend",
+        "stream",
+        "forward_call",
+        "d2h_event",
+        "buffers",
+        "reload_event",
+        "waited",
+        "poison",
+        "aborted",
+        "prev",
+        "__weakref__",
+    )
+
+    def __init__(self, rt: _Runtime, function: Callable[..., Any], spec: Any) -> None:
+        self.rt = rt
+        self.function = function
+        self.spec = spec
+        self.slots: list[_Slot | None] = []  # None: passed to torch (kept)
+        self.copies: list[_HostCopy] = []  # unique, in slot order
+        self.device: torch.device | None = None
+        self.backend: Backend | None = None
+        self.stream: Any = None  # the compute stream of the forward
+        self.forward_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.d2h_event: Any = None
+        self.buffers: dict[int, torch.Tensor] | None = None  # id(copy) -> device bytes
+        self.reload_event: Any = None
+        self.waited = False
+        self.poison: str | None = None
+        self.aborted = False
+        self.prev: weakref.ref[_Record] | None = None
+
+    # called by torch.utils.checkpoint: once in the forward, again for each recompute
+    def __call__(self, *torch_args: Any) -> Any:
+        call = self.forward_call
+        if call is not None:  # the forward: the caller's own objects
+            return self.function(*call[0], **call[1])
+        # Our copies and views are not part of the recomputation: hide them from any
+        # dispatch mode the recomputation runs under (selective checkpointing's cache,
+        # debug=True's operator trace)
+        with _no_dispatch_modes():
+            leaves = self._recompute_leaves(torch_args)
+        args, kwargs = _unflatten(self.spec, leaves)
+        return self.function(*args, **kwargs)
+
+    def _recompute_leaves(self, torch_args: tuple[Any, ...]) -> list[torch.Tensor]:
+        rt = self.rt
+        with rt.lock:
+            rt.drain()
+            if self.aborted:
+                raise RuntimeError(
+                    "offload.checkpoint: the forward of this checkpointed call raised an "
+                    "exception and its inputs' host copies were freed; run the forward "
+                    "again before calling backward"
+                )
+            if self.poison is not None:
+                raise RuntimeError(self.poison)
+            if self.copies:
+                if self.buffers is None:
+                    self._reload()
+                    rt.stats.reloads_on_demand += 1
+                if not self.waited:
+                    self.backend.wait_current(self.reload_event)  # type: ignore[union-attr]
+                    self.waited = True
+            buffers, self.buffers = self.buffers, None  # the rebuilt tensors own them now
+        leaves: list[torch.Tensor] = []
+        for i, slot in enumerate(self.slots):
+            if slot is None:
+                leaves.append(torch_args[i])
+                continue
+            buf = buffers[id(slot.copy)]  # type: ignore[index]
+            t = _packing.rebuild(buf, slot.dtype, slot.size, slot.stride, slot.offset)
+            if slot.requires_grad:
+                t.requires_grad_(True)
+            leaves.append(t)
+        return leaves
+
+    def _reload(self) -> None:
+        """Start the H2D copies of every host copy (lock held; Note, 4 and 5)."""
+        backend = self.backend
+        stream = self.stream if self.stream is not None else backend.current_stream()  # type: ignore[union-attr]
+        pairs, waits, buffers = [], [], {}
+        for copy in self.copies:
+            buf = backend.alloc(copy.nbytes, stream)  # type: ignore[union-attr]
+            buffers[id(copy)] = buf
+            pairs.append((copy.block.tensor, buf))  # type: ignore[union-attr]
+            waits.append(copy.d2h_event)
+        event = backend.h2d(pairs, waits, stream)  # type: ignore[union-attr]
+        self.buffers = buffers
+        self.reload_event = event
+        self.waited = False
+        if event is not None:
+            self.rt.pool.h2d_fence = event
+        self.rt.stats.bytes_reloaded += sum(c.nbytes for c in self.copies)
+
+    def prefetchable(self) -> bool:
+        return bool(self.copies) and self.buffers is None and not self.aborted
+
+    def abort(self) -> None:
+        """The forward raised: wait for the copies, free the host blocks (Note, end)."""
+        self.aborted = True
+        self.forward_call = None
+        if self.copies and self.backend is not None:
+            # 4.1(b): the device inputs may be freed only after their copies read them
+            # (``_stash`` may have stopped before recording the event: record one now)
+            event = self.d2h_event if self.d2h_event is not None else self.backend.record_d2h()
+            self.backend.wait_current(event)
+        self.slots = []
+        self.copies = []  # the blocks go back to the pool with the last reference
+
+    def __del__(self) -> None:
+        buffers = self.buffers
+        if buffers is not None and not self.waited and self.backend is not None:
+            # 4.1(e): the block returns to the allocator only after the H2D writing it
+            self.backend.wait(self.stream, self.reload_event)
+
+
+# --------------------------------------------------------------------------------------
+# the runtime shared by the calls of one offloader
+
+
+class _Runtime:
+    """Lock, pool, backends, stats and the dedup index of one offloader."""
+
+    def __init__(self, min_tensor_bytes: int, host_memory_limit: int | None, pin: bool) -> None:
+        self.min_tensor_bytes = min_tensor_bytes
+        self.host_memory_limit = host_memory_limit
+        self.pin = pin
+        self.lock = threading.Lock()
+        self._pool: HostPool | None = None
+        self._backends: dict[torch.device, Backend] = {}
+        self._placeholders: dict[torch.device, torch.Tensor] = {}
+        self.stats = CheckpointStats()
+        # (storage cdata, start, end) -> a live host copy of that span
+        self.shared: weakref.WeakValueDictionary[tuple[int, int, int], _HostCopy] = (
+            weakref.WeakValueDictionary()
+        )
+        self.graveyard: collections.deque[HostBlock] = collections.deque()
+        self.warned_host_limit = False
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = HostPool(self.host_memory_limit, self.pin)
+        return self._pool
+
+    def backend(self, device: torch.device) -> Backend:
+        b = self._backends.get(device)
+        if b is None:
+            b = self._backends[device] = backend_for(device)
+        return b
+
+    def placeholder(self, device: torch.device) -> torch.Tensor:
+        """A 0-element tensor on ``device``, handed to torch for an offloaded input."""
+        p = self._placeholders.get(device)
+        if p is None:
+            p = self._placeholders[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        return p
+
+    def free(self, block: HostBlock) -> None:
+        """Return a block; never blocks (a host copy can die on any thread, also while
+        this thread holds the lock: then the block is queued)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.drain()
+                self._pool.free(block)  # type: ignore[union-attr]
+            finally:
+                self.lock.release()
+        else:
+            self.graveyard.append(block)
+
+    def drain(self) -> None:
+        """Free the blocks queued while the lock was busy (lock held)."""
+        while self.graveyard:
+            self._pool.free(self.graveyard.popleft())  # type: ignore[union-attr]
+
+    def warn_host_limit(self, nbytes: int) -> None:
+        if not self.warned_host_limit:
+            self.warned_host_limit = True
+            pool = self.pool
+            warn_at_caller(
+                f"offload.checkpoint: the host memory budget is reached ({pool.reserved_bytes} "
+                f"of host_memory_limit={pool.limit} bytes reserved; an input of {nbytes} bytes "
+                f"stays on the device, reason 'host_limit'). Raise host_memory_limit of the "
+                f"CheckpointOffloader to offload more; training stays correct.",
+                RuntimeWarning,
+            )
+
+
+def _opted_out() -> bool:
+    # offload.no_offload() also keeps checkpoint inputs on the device
+    from offload._scheduler import opted_out
+
+    return opted_out()
+
+
+def _marked(t: torch.Tensor) -> bool:
+    d = t.__dict__
+    return bool(d) and bool(d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
+
+
+def _no_dispatch_modes() -> Any:
+    disable = getattr(_python_dispatch, "_disable_current_modes", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _check_use_reentrant(use_reentrant: Any) -> None:
+    if use_reentrant is None or use_reentrant is False:
+        return
+    if use_reentrant is True:
+        raise ValueError(
+            "offload.checkpoint supports only use_reentrant=False (the reentrant variant "
+            "saves its inputs inside an autograd Function and cannot offload them); use "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) for that variant"
+        )
+    raise TypeError(
+        f"use_reentrant must be False (or None); got {type(use_reentrant).__name__} "
+        f"{use_reentrant!r}"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# the public objects
+
+
+class CheckpointOffloader:
+    """Offloaded activation checkpointing with its own settings, host pool and stats.
+
+    :func:`offload.checkpoint` uses one process-wide instance with the default settings;
+    make your own to change them, to keep separate stats, or to free the host memory with
+    :meth:`close`. ``offloader.checkpoint`` has the signature and the semantics of
+    :func:`offload.checkpoint`.
+
+    Args:
+        min_tensor_bytes: inputs whose byte span is smaller stay on the device (reason
+            ``small``). Default ``256 * 1024``.
+        prefetch_layers: when the backward of a checkpointed call starts, the inputs of
+            this many calls made before it (on the same thread) are reloaded, ahead of
+            their recomputation. ``0``: every reload happens on demand, when the
+            recomputation starts. Default ``1``.
+        pin_memory: page-lock the host pool. Default ``True``; ignored without an
+            accelerator.
+        host_memory_limit: bytes of host memory for offloaded inputs; ``None`` (default):
+            half of the available memory divided by ``LOCAL_WORLD_SIZE`` (a separate
+            budget from any :class:`offload.ActivationOffloader`'s). Past it, inputs stay
+            on the device (reason ``host_limit``, one ``RuntimeWarning``).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range.
+
+    Example:
+        >>> ckpt = CheckpointOffloader(min_tensor_bytes=0)
+        >>> layer = torch.nn.Linear(64, 64)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> ckpt.checkpoint(layer, x).sum().backward()
+        >>> ckpt.stats.bytes_offloaded == ckpt.stats.bytes_reloaded == x.nbytes
+        True
+        >>> ckpt.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        min_tensor_bytes: int = 256 * 1024,
+        prefetch_layers: int = 1,
+        pin_memory: bool = True,
+        host_memory_limit: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("min_tensor_bytes", min_tensor_bytes),
+            ("prefetch_layers", prefetch_layers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"{name}={value}: must be >= 0")
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool; got {type(pin_memory).__name__}")
+        if host_memory_limit is not None:
+            if isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, int):
+                raise TypeError(
+                    f"host_memory_limit must be an int (bytes) or None; got "
+                    f"{type(host_memory_limit).__name__} {host_memory_limit!r}"
+                )
+            if host_memory_limit < 0:
+                raise ValueError(f"host_memory_limit={host_memory_limit}: must be >= 0")
+        self.min_tensor_bytes = min_tensor_bytes
+        self.prefetch_layers = prefetch_layers
+        self.pin_memory = pin_memory
+        self.host_memory_limit = host_memory_limit
+        self._rt = _Runtime(min_tensor_bytes, host_memory_limit, pin_memory)
+        self._local = threading.local()  # .last: weak reference to this thread's last call
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointOffloader(min_tensor_bytes={self.min_tensor_bytes}, "
+            f"prefetch_layers={self.prefetch_layers}, pin_memory={self.pin_memory}, "
+            f"host_memory_limit={self.host_memory_limit})"
+        )
+
+    # ---- stats --------------------------------------------------------------------
+
+    @property
+    def stats(self) -> CheckpointStats:
+        """A copy of the counters (see :class:`CheckpointStats`), pool figures refreshed."""
+        rt = self._rt
+        with rt.lock:
+            if rt._pool is not None:
+                rt.drain()
+                pool = rt._pool
+                rt.stats.host_pool_bytes = pool.in_use_bytes
+                rt.stats.host_pool_reserved_bytes = pool.reserved_bytes
+                rt.stats.host_pool_peak_bytes = pool.peak_bytes
+            s = rt.stats
+            return dataclasses.replace(s, bytes_kept=dict(s.bytes_kept))
+
+    def reset_stats(self) -> None:
+        """Zero the counters (the pool's peak too)."""
+        rt = self._rt
+        with rt.lock:
+            rt.stats = CheckpointStats()
+            if rt._pool is not None:
+                rt._pool.peak_bytes = rt._pool.in_use_bytes
+
+    def close(self) -> None:
+        """Release the host pool's slabs. Blocks that live graphs still use keep their
+        own slab until those graphs die. Safe to repeat; the offloader stays usable (a
+        new pool is made on demand)."""
+        rt = self._rt
+        with rt.lock:
+            if rt._pool is not None:
+                rt.drain()
+                rt._pool.close()
+
+    # ---- the checkpoint ------------------------------------------------------------
+
+    def checkpoint(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        use_reentrant: bool | None = False,
+        **kwargs: Any,
+    ) -> Any:
+        """:func:`offload.checkpoint` with this offloader's settings, pool and stats."""
+        _check_use_reentrant(use_reentrant)
+        torch_kwargs = {k: kwargs.pop(k) for k in _TORCH_KWARGS if k in kwargs}
+        if (
+            not torch.is_grad_enabled()
+            or _in_backward()
+            or torch.compiler.is_compiling()
+            or _opted_out()
+        ):
+            # No backward to recompute for / a checkpoint nested in a recomputation /
+            # traced by dynamo / opted out: torch's own checkpoint, unchanged.
+            return _torch_ckpt.checkpoint(
+                function, *args, use_reentrant=False, **torch_kwargs, **kwargs
+            )
+        leaves: list[torch.Tensor] = []
+        spec = _flatten((args, kwargs), leaves)
+        rt = self._rt
+        record = _Record(rt, function, spec)
+        try:
+            torch_args = self._stash(record, leaves)
+            record.forward_call = (args, kwargs)
+            out = _torch_ckpt.checkpoint(record, *torch_args, use_reentrant=False, **torch_kwargs)
+        except BaseException:
+            record.abort()
+            raise
+        record.forward_call = None
+        self._release(record, leaves)
+        del leaves, torch_args
+        outputs = _grad_tensors(out, [])
+        if outputs and self.prefetch_layers > 0:
+            hook = functools.partial(_backward_started, weakref.ref(record), self.prefetch_layers)
+            torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
+        last = getattr(self._local, "last", None)
+        record.prev = last
+        self._local.last = weakref.ref(record)
+        return out
+
+    def _stash(self, record: _Record, leaves: list[torch.Tensor]) -> list[Any]:
+        """Keep or copy each tensor argument (Note [checkpoint inputs], 1); returns the
+        arguments torch gets: kept tensors and placeholders."""
+        rt = self._rt
+        kept = rt.stats.bytes_kept
+        # the call's device: that of its first CPU/CUDA tensor (CUDA first)
+        device = None
+        for t in leaves:
+            if t.device.type == "cuda":
+                device = t.device
+                break
+        if device is None:
+            for t in leaves:
+                if t.device.type == "cpu":
+                    device = t.device
+                    break
+        torch_args: list[Any] = list(leaves)
+        record.slots = [None] * len(leaves)
+        if device is None:
+            for t in leaves:
+                kept["device"] += _kept_bytes(t)
+            return torch_args
+        # 1. which tensors travel; group them by storage
+        chosen: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
+        for i, t in enumerate(leaves):
+            reason = None
+            if not _packing.is_plain(t) or _packing.unsupported(t):
+                reason = "unsupported"
+            elif _marked(t):
+                reason = "opted_out"
+            elif issubclass(type(t), torch.nn.Parameter):
+                reason = "parameter"
+            elif t.device != device:
+                reason = "device"
+            if reason is None:
+                start, end = _packing.span(t)
+                if end - start == 0 or end - start < self.min_tensor_bytes:
+                    reason = "small"
+            if reason is not None:
+                kept[reason] += _kept_bytes(t)
+                continue
+            key = t.untyped_storage()._cdata
+            chosen.setdefault(key, []).append((i, t, start, end))
+        if not chosen:
+            return torch_args
+        record.device = device
+        backend = record.backend = rt.backend(device)
+        record.stream = backend.current_stream()
+        new_copies: list[_HostCopy] = []
+        with rt.lock:
+            rt.drain()
+            pool = rt.pool
+            for key, items in chosen.items():
+                storage = items[0][1].untyped_storage()
+                version = items[0][1]._version
+                for start, end, members in _merge_spans(items):
+                    copy = rt.shared.get((key, start, end))
+                    if (
+                        copy is not None
+                        and copy.version == version
+                        and copy.block is not None
+                        and copy.ref is not None
+                        and not copy.ref.expired()
+                    ):
+                        rt.stats.bytes_shared += end - start
+                    else:
+                        block = pool.allocate(end - start)
+                        if block is None:
+                            rt.warn_host_limit(end - start)
+                            for _, t in members:
+                                kept["host_limit"] += _kept_bytes(t)
+                            continue
+                        copy = _HostCopy(rt, block, start, end, version)
+                        copy.ref = StorageWeakRef(storage)
+                        backend.d2h(
+                            _packing.as_bytes(members[0][1], start, end),
+                            block.tensor,
+                            pool.h2d_fence,
+                        )
+                        rt.shared[(key, start, end)] = copy
+                        rt.stats.bytes_offloaded += end - start
+                        new_copies.append(copy)
+                    if not any(c is copy for c in record.copies):
+                        record.copies.append(copy)
+                    for i, t in members:
+                        record.slots[i] = _Slot(copy, _span_start(t) - copy.start, t)
+                        torch_args[i] = rt.placeholder(device)
+                        rt.stats.tensors_offloaded += 1
+            if new_copies:
+                # one event after this call's copies: the reloads wait for it, the
+                # compute stream waits for it before the inputs may be freed
+                record.d2h_event = backend.record_d2h()
+                for copy in new_copies:
+                    copy.d2h_event = record.d2h_event
+            if record.copies:
+                rt.stats.calls += 1
+        return torch_args
+
+    def _release(self, record: _Record, leaves: list[torch.Tensor]) -> None:
+        """The forward is over (Note [checkpoint inputs], 3): make the compute stream
+        wait for the D2H copies; check versions. The caller then drops the references."""
+        if record.d2h_event is not None:
+            record.backend.wait_current(record.d2h_event)  # type: ignore[union-attr]
+        for slot, t in zip(record.slots, leaves):
+            if slot is not None and t._version != slot.version:
+                record.poison = inplace_message(t, slot.version)
+                break
+
+
+def _span_start(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
+def _merge_spans(
+    items: list[tuple[int, torch.Tensor, int, int]],
+) -> list[tuple[int, int, list[tuple[int, torch.Tensor]]]]:
+    """Group the tensors of one storage into copies: spans that overlap or touch are
+    copied once; a tensor whose offset in a merged span is not a multiple of its item
+    size gets a copy of its own."""
+    items = sorted(items, key=lambda it: (it[2], it[3]))
+    groups: list[list[Any]] = []  # [start, end, members]
+    for i, t, start, end in items:
+        if groups and start <= groups[-1][1]:
+            g = groups[-1]
+            g[1] = max(g[1], end)
+            g[2].append((i, t, start))
+        else:
+            groups.append([start, end, [(i, t, start)]])
+    out: list[tuple[int, int, list[tuple[int, torch.Tensor]]]] = []
+    for g_start, g_end, members in groups:
+        aligned = [(i, t) for i, t, s in members if (s - g_start) % t.element_size() == 0]
+        out.append((g_start, g_end, aligned))
+        for i, t, s in members:
+            if (s - g_start) % t.element_size():
+                s2, e2 = _packing.span(t)
+                out.append((s2, e2, [(i, t)]))
+    return out
+
+
+def _backward_started(ref: weakref.ref[_Record], depth: int, _grad: Any) -> None:
+    """The first gradient of a call's outputs arrived: prefetch the calls before it."""
+    record = ref()
+    if record is None:
+        return
+    rt = record.rt
+    with rt.lock:
+        rt.drain()
+        prev = record.prev
+        for _ in range(depth):
+            target = prev() if prev is not None else None
+            if target is None:
+                break
+            if target.prefetchable():
+                target._reload()
+                rt.stats.reloads_prefetched += 1
+            prev = target.prev
+
+
+# --------------------------------------------------------------------------------------
+# the process-wide default
+
+_default: CheckpointOffloader | None = None
+_default_lock = threading.Lock()
+
+
+def _default_offloader() -> CheckpointOffloader:
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = CheckpointOffloader()
+    return _default
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = False,
+    **kwargs: Any,
+) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` and keep its inputs in host memory.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint(function, *args,
+    use_reentrant=False, **kwargs)``: the same outputs, the same gradients (bitwise), the
+    same recomputation in backward. The difference is where the inputs wait for the
+    backward. Torch keeps every checkpointed call's inputs on the device; here each
+    tensor argument (positional, keyword, or nested in tuples, lists and dicts) is
+    copied to pinned host memory on a side stream as the call starts, the checkpoint
+    keeps no reference to the device tensor (so it is freed as soon as the caller drops
+    it), and the bytes come back before the recomputation: prefetched when the backward
+    of the next checkpointed call starts (``prefetch_layers``), or on demand. Without an
+    accelerator the same steps run synchronously into host pool buffers.
+
+    What stays on the device (counted in :func:`checkpoint_stats`, ``bytes_kept``):
+    ``nn.Parameter`` arguments, tensors smaller than ``min_tensor_bytes`` (256 KiB),
+    tensor subclasses, tensors on another device, tensors marked ``_do_not_offload``,
+    everything inside :func:`offload.no_offload`, and whatever ``function`` captures
+    itself (closures, ``functools.partial`` arguments: Hugging Face binds the keyword
+    arguments of its layers, e.g. position embeddings and the attention mask, that way).
+    Calls without gradients (``torch.no_grad()``), calls made inside a backward (a
+    checkpoint nested in a recomputation) and calls traced by ``torch.compile`` run
+    torch's own checkpoint.
+
+    Settings and stats belong to a process-wide :class:`CheckpointOffloader` with its
+    defaults; make your own and call its ``checkpoint`` method to change them. Bytes
+    moved here are not counted in an :class:`offload.ActivationOffloader`'s stats (an
+    offloader active around the call sees only the 0-byte placeholders); read them with
+    :func:`checkpoint_stats`. An input changed in place *during* the call makes the
+    recomputation raise autograd's "modified by an inplace operation" error, as torch
+    would; a change made after the call returned cannot be seen (torch would raise).
+
+    Args:
+        function: what to run, as for torch: ``function(*args, **kwargs)``.
+        *args: positional arguments of ``function``.
+        use_reentrant: must be ``False`` (default) or ``None`` (taken as ``False``).
+        preserve_rng_state: keyword, passed to torch. Stash and restore the RNG states
+            (CPU, and the device of the inputs) so that dropout recomputes the same mask.
+            Default ``True``.
+        determinism_check: keyword, passed to torch. ``"default"`` (compare shape, dtype
+            and device of what the recomputation saves) or ``"none"``. Default
+            ``"default"``.
+        context_fn: keyword, passed to torch. A callable returning two context managers,
+            for the forward and the recomputation (selective checkpointing). Default:
+            none.
+        debug: keyword, passed to torch. Trace the operators for error messages. Default
+            ``False``.
+        early_stop: keyword, passed to torch. Stop the recomputation once everything
+            needed is recomputed. Default ``True``.
+        **kwargs: every other keyword argument goes to ``function``.
+
+    Returns:
+        Whatever ``function(*args, **kwargs)`` returns.
+
+    Raises:
+        ValueError: ``use_reentrant=True`` (use ``torch.utils.checkpoint.checkpoint``
+            for the reentrant variant), or an invalid ``determinism_check`` (from
+            torch).
+        TypeError: ``use_reentrant`` is not a bool or ``None``.
+        RuntimeError: in backward, when the forward of this call raised, or when an input
+            was modified in place during the call.
+
+    Example:
+        >>> import offload, torch
+        >>> _ = offload.checkpoint_stats(reset=True)  # counters start at zero
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+        >>> x = torch.randn(512, 256, requires_grad=True)  # 512 KiB per layer input
+        >>> h = x
+        >>> for layer in layers:
+        ...     h = offload.checkpoint(layer, h)
+        >>> h.square().mean().backward()
+        >>> stats = offload.checkpoint_stats(reset=True)
+        >>> stats.bytes_offloaded == 4 * x.nbytes == stats.bytes_reloaded
+        True
+        >>> stats.reloads_prefetched, stats.reloads_on_demand
+        (3, 1)
+    """
+    return _default_offloader().checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def checkpoint_stats(reset: bool = False) -> CheckpointStats:
+    """The stats of :func:`checkpoint` (the process-wide :class:`CheckpointOffloader`).
+
+    Args:
+        reset: zero the counters after reading them. Default ``False``.
+
+    Returns:
+        A :class:`CheckpointStats` copy: bytes offloaded, shared, reloaded and kept (by
+        reason), calls, prefetched and on-demand reloads, host pool figures.
+
+    Example:
+        >>> import offload
+        >>> offload.checkpoint_stats().bytes_offloaded >= 0
+        True
+    """
+    offloader = _default_offloader()
+    stats = offloader.stats
+    if reset:
+        offloader.reset_stats()
+    return stats
