@@ -365,8 +365,8 @@ class _Record:
         backend = self.backend
         stream = self.stream if self.stream is not None else backend.current_stream()  # type: ignore[union-attr]
         pairs, waits, buffers = [], [], {}
-        for copy in self.copies:
-            buf = backend.alloc(copy.nbytes, stream)  # type: ignore[union-attr]
+        allocated = backend.alloc([c.nbytes for c in self.copies], stream)  # type: ignore[union-attr]
+        for copy, buf in zip(self.copies, allocated):
             buffers[id(copy)] = buf
             pairs.append((copy.block.tensor, buf))  # type: ignore[union-attr]
             waits.append(copy.d2h_event)
@@ -743,8 +743,7 @@ class CheckpointOffloader:
                         copy = _HostCopy(rt, block, start, end, version)
                         copy.ref = StorageWeakRef(storage)
                         backend.d2h(
-                            _packing.as_bytes(members[0][1], start, end),
-                            block.tensor,
+                            [(_packing.as_bytes(members[0][1], start, end), block.tensor)],
                             pool.h2d_fence,
                         )
                         rt.shared[(key, start, end)] = copy

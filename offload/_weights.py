@@ -952,7 +952,7 @@ class WeightOffloader:
                 backend.wait(stream, backend.record(current))  # type: ignore[union-attr]
         if any(prm.param._version != v for prm, v in zip(slot.params, slot.versions)):
             for st in slot.stores:  # write back what changed on the device (step 5)
-                backend.d2h(st.device, st.host, None)  # type: ignore[union-attr]
+                backend.d2h([(st.device, st.host)], None)  # type: ignore[union-attr]
             event = backend.record_d2h()  # type: ignore[union-attr]
             backend.wait(stream, event)  # type: ignore[union-attr]
             slot.write_event = event
@@ -1285,7 +1285,7 @@ class WeightOffloader:
                 f"gradient of {slot.where}"
             )
         host = block.tensor.view(grad.dtype).view(grad.shape)
-        backend.d2h(grad, host, None)  # type: ignore[union-attr]
+        backend.d2h([(grad, host)], None)  # type: ignore[union-attr]
         event = backend.record_d2h()  # type: ignore[union-attr]
         stream = backend.current_stream()  # type: ignore[union-attr]
         payload = after if after is not None else _Keep(grad)
@@ -1340,7 +1340,7 @@ class WeightOffloader:
                 prm.param._version != v for prm, v in zip(slot.params, slot.versions)
             ):  # changed on the device (inside resident()): bring the host copy up to date
                 for st in slot.stores:
-                    backend.d2h(st.device, st.host, None)  # type: ignore[union-attr]
+                    backend.d2h([(st.device, st.host)], None)  # type: ignore[union-attr]
                 slot.write_event = backend.record_d2h()  # type: ignore[union-attr]
                 slot.versions = [prm.param._version for prm in slot.params]
             backend.host_wait(slot.write_event)  # type: ignore[union-attr]

@@ -757,10 +757,10 @@ class LateBackend(Backend):
     def current_stream(self):
         return self.stream
 
-    def d2h(self, src, dst, fence, times=None):
+    def d2h(self, pairs, fence, times=None):
         if fence is not None:
             fence.run()
-        self.pending.append((src, dst))
+        self.pending.extend(pairs)
 
     def record_d2h(self):
         self.last_d2h = _LateEvent(self.pending, self.last_d2h)
