@@ -668,6 +668,8 @@ class WeightOffloader:
         self._order: list[_Slot] = []  # each slot once, in `layers` order
         self._sequence: list[_Slot] = []  # the calls of a forward: `layers` with repeats
         self._cursor = -1  # position of the latest forward call in `_sequence`
+        self._ahead: list[_Slot] = []  # the latest forward prefetch
+        self._resident = 0  # slots resident now
         self._modules: dict[int, _Slot] = {}  # id(module) -> slot
         self._keys: dict[int, tuple[_Slot, str]] = {}  # storage key -> (slot, param name)
         self._calls: list[_Call] = []
@@ -862,6 +864,7 @@ class WeightOffloader:
         slot.versions = [prm.param._version for prm in slot.params]
         slot.stream = self._backend.current_stream()  # type: ignore[union-attr]
         self._slots.append(slot)
+        self._resident += 1  # until _free below (or the end of the running call)
         self._modules[id(plan.module)] = slot
         self._order.append(slot)
         if running:  # adopted while it runs: the next call of the sequence
@@ -926,8 +929,8 @@ class WeightOffloader:
         slot.resident = True
         slot.versions = [prm.param._version for prm in slot.params]
         self.refills += 1
-        resident = sum(1 for s in self._order if s.resident)
-        self.max_resident_layers = max(self.max_resident_layers, resident)
+        self._resident += 1
+        self.max_resident_layers = max(self.max_resident_layers, self._resident)
 
     def _wait_ready(self, slot: _Slot, stream: Any) -> None:
         """Step 3: ``stream`` waits for the refill before the layer's kernels."""
@@ -958,6 +961,7 @@ class WeightOffloader:
             slot.write_event = event
         for st in slot.stores:
             st.storage.resize_(0)
+        self._resident -= 1
         slot.resident = False
         slot.ready = None
         slot.waited = True
@@ -1005,10 +1009,11 @@ class WeightOffloader:
             n = self.prefetch_layers
             if n and pos >= 0:
                 ahead = [s for s in self._sequence[pos + 1 : pos + 1 + n] if s is not slot]
-                for s in self._order:  # prefetched for calls that did not come
+                for s in self._ahead:  # prefetched for calls that did not come
                     if s.want_fwd and s is not slot and all(s is not t for t in ahead):
                         s.want_fwd = False
                         self._maybe_free(s)
+                self._ahead = ahead
                 self._prefetch(ahead, stream, False)
             if self.grads == "host":
                 self._set_staging(slot, allocate=False)

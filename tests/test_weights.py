@@ -728,12 +728,13 @@ class _LateEvent:
     def __init__(self, copies: list, prev: _LateEvent | None) -> None:
         self.copies = copies
         self.prev = prev
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def run(self) -> None:
-        if self.prev is not None:
-            self.prev.run()
-        with self.lock:
+        with self.lock:  # locks are taken newer -> older only: no deadlock
+            prev, self.prev = self.prev, None  # stream order: earlier copies first
+            if prev is not None:
+                prev.run()
             copies, self.copies = self.copies, []
             for src, dst in copies:
                 dst.copy_(src)
