@@ -440,7 +440,9 @@ class ActivationOffloader:
             )
         # Weak references: the model's hooks keep a handle alive, and a strong reference
         # back from the offloader would make a cycle only the garbage collector frees.
-        attachments: list[weakref.ref[AttachHandle]] = self.__dict__.setdefault("_attachments", [])
+        attachments: list[weakref.ref[AttachHandle]] = self.__dict__.setdefault(
+            "_attachments", []
+        )
         attachments[:] = [r for r in attachments if r() is not None]
         for ref in attachments:
             other = ref()

@@ -43,7 +43,9 @@ def test_plain_attention_idiom_with_sdpa_backends(backend: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    layers = nn.ModuleList(models.LlamaBlock(256, 4, 512) for _ in range(4)).to(DEV, torch.bfloat16)
+    layers = nn.ModuleList(models.LlamaBlock(256, 4, 512) for _ in range(4)).to(
+        DEV, torch.bfloat16
+    )
     ref = twin(layers)
     x = torch.randn(2, 256, 256, device=DEV, dtype=torch.bfloat16)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
@@ -88,7 +90,9 @@ def test_memory_back_at_once_after_del_with_gc_disabled() -> None:
 
 def test_caller_held_input_no_hooks_left_and_memory_flat() -> None:
     torch.manual_seed(0)
-    layers = nn.ModuleList(models.LlamaBlock(128, 4, 256) for _ in range(4)).to(DEV, torch.bfloat16)
+    layers = nn.ModuleList(models.LlamaBlock(128, 4, 256) for _ in range(4)).to(
+        DEV, torch.bfloat16
+    )
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
     x = torch.randn(2, 128, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     allocated = []
