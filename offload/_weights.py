@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import queue
 import sys
 import threading
@@ -995,10 +996,10 @@ class WeightOffloader:
     def _forward_start(self, slot: _Slot) -> None:
         in_backward = _in_backward()
         with self._lock:
-            if not in_backward:
-                self._recover()
-            stream = self._backend.current_stream()  # type: ignore[union-attr]
             pos = -1 if in_backward else self._advance(slot)
+            if not in_backward:
+                self._recover(prune=pos <= 0)  # pruning: once per forward
+            stream = self._backend.current_stream()  # type: ignore[union-attr]
             slot.frames.append((sys.exc_info()[1], pos))
             slot.want_fwd = False
             slot.fwd += 1
@@ -1021,8 +1022,11 @@ class WeightOffloader:
     def _advance(self, slot: _Slot) -> int:
         """The position of this call in the call sequence: the next occurrence of the
         slot after the previous call, else its first one (a new forward)."""
-        seq = self._sequence
-        for p in (*range(self._cursor + 1, len(seq)), *range(0, len(seq))):
+        seq, nxt = self._sequence, self._cursor + 1
+        if nxt < len(seq) and seq[nxt] is slot:  # the usual case: the next call in order
+            self._cursor = nxt
+            return nxt
+        for p in itertools.chain(range(nxt, len(seq)), range(min(nxt, len(seq)))):
             if seq[p] is slot:
                 self._cursor = p
                 return p
@@ -1219,15 +1223,17 @@ class WeightOffloader:
         for slot in self._slots:
             self._maybe_free(slot)
 
-    def _recover(self) -> None:
+    def _recover(self, prune: bool) -> None:
         """At a forward outside any backward (lock held): a backward that raised never
-        ran its end callback, so clean up after it; and drop the hooks of calls whose
-        graph died without a backward."""
+        ran its end callback, so clean up after it; with ``prune`` (the first layer of a
+        forward) also drop the hooks of calls whose graph died without a backward."""
         if self._bwd_running:
             self._cb_queued = False
             self._cleanup_backward()
             if self._worker is not None:
                 self._worker.drain()
+        if not prune:
+            return
         self._out_hooks = {k: v for k, v in self._out_hooks.items() if v[0]() is not None}
         if any(c.dead for c in self._calls):
             keep = []
