@@ -121,8 +121,8 @@ _GUARD: list[Any] = []
 
 def _install_optimizer_guard() -> None:
     """Once per process: a global optimizer step pre-hook that refuses a step over
-    offloaded parameters that are not on the device (it would read empty storages:
-    PyTorch does not check, and the process may crash)."""
+    offloaded parameters that have a gradient but are not on the device (it would read
+    empty storages: PyTorch does not check, and the process may crash)."""
     if not _GUARD:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -137,7 +137,8 @@ def _optimizer_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 slot = owners.get(id(p))
-                if slot is not None and not slot.resident:
+                # parameters without a gradient are skipped by the step (a frozen base)
+                if slot is not None and not slot.resident and p.grad is not None:
                     raise RuntimeError(
                         f"offload: {type(optimizer).__name__}.step() over a parameter of "
                         f"{slot.where}, whose weights are offloaded (no data on the device "
