@@ -183,6 +183,7 @@ def measure(
                 on_demand.append(off.refills_on_demand - before)
     peak = None
     if cuda:
+        out = None
         layers.zero_grad(set_to_none=True)
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -197,7 +198,7 @@ def measure(
         "forward_ms_median": median(fwd_ms),
         "backward_ms_median": median(bwd_ms),
         "peak_allocated_bytes": peak,
-        "output": out,
+        "output": out.detach().cpu(),  # off the GPU: later rows' peaks must not see it
     }
     if off is not None:
         row.update(
@@ -245,7 +246,12 @@ def print_report(result: dict[str, Any]) -> None:
     for col in ("mode", "tokens", "method", "step ms", "x none", "model ms", "peak GiB",
                 "saved GiB", "off GiB", "on-demand"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("mode", "method") else "right")
-    for row in result["rows"]:
+    modes = result["settings"]["modes"]
+    ordered = sorted(
+        result["rows"],
+        key=lambda r: (modes.index(r["mode"]), r["tokens"], r.get("prefetch", -1)),
+    )
+    for row in ordered:
         on_demand = row.get("refills_on_demand_per_step")
         table.add_row(
             row["mode"],

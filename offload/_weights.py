@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import queue
 import sys
 import threading
@@ -120,8 +121,8 @@ _GUARD: list[Any] = []
 
 def _install_optimizer_guard() -> None:
     """Once per process: a global optimizer step pre-hook that refuses a step over
-    offloaded parameters that are not on the device (it would read empty storages:
-    PyTorch does not check, and the process may crash)."""
+    offloaded parameters that have a gradient but are not on the device (it would read
+    empty storages: PyTorch does not check, and the process may crash)."""
     if not _GUARD:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -136,7 +137,8 @@ def _optimizer_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 slot = owners.get(id(p))
-                if slot is not None and not slot.resident:
+                # parameters without a gradient are skipped by the step (a frozen base)
+                if slot is not None and not slot.resident and p.grad is not None:
                     raise RuntimeError(
                         f"offload: {type(optimizer).__name__}.step() over a parameter of "
                         f"{slot.where}, whose weights are offloaded (no data on the device "
@@ -668,6 +670,8 @@ class WeightOffloader:
         self._order: list[_Slot] = []  # each slot once, in `layers` order
         self._sequence: list[_Slot] = []  # the calls of a forward: `layers` with repeats
         self._cursor = -1  # position of the latest forward call in `_sequence`
+        self._ahead: list[_Slot] = []  # the latest forward prefetch
+        self._resident = 0  # slots resident now
         self._modules: dict[int, _Slot] = {}  # id(module) -> slot
         self._keys: dict[int, tuple[_Slot, str]] = {}  # storage key -> (slot, param name)
         self._calls: list[_Call] = []
@@ -862,6 +866,7 @@ class WeightOffloader:
         slot.versions = [prm.param._version for prm in slot.params]
         slot.stream = self._backend.current_stream()  # type: ignore[union-attr]
         self._slots.append(slot)
+        self._resident += 1  # until _free below (or the end of the running call)
         self._modules[id(plan.module)] = slot
         self._order.append(slot)
         if running:  # adopted while it runs: the next call of the sequence
@@ -926,8 +931,8 @@ class WeightOffloader:
         slot.resident = True
         slot.versions = [prm.param._version for prm in slot.params]
         self.refills += 1
-        resident = sum(1 for s in self._order if s.resident)
-        self.max_resident_layers = max(self.max_resident_layers, resident)
+        self._resident += 1
+        self.max_resident_layers = max(self.max_resident_layers, self._resident)
 
     def _wait_ready(self, slot: _Slot, stream: Any) -> None:
         """Step 3: ``stream`` waits for the refill before the layer's kernels."""
@@ -958,6 +963,7 @@ class WeightOffloader:
             slot.write_event = event
         for st in slot.stores:
             st.storage.resize_(0)
+        self._resident -= 1
         slot.resident = False
         slot.ready = None
         slot.waited = True
@@ -991,10 +997,10 @@ class WeightOffloader:
     def _forward_start(self, slot: _Slot) -> None:
         in_backward = _in_backward()
         with self._lock:
-            if not in_backward:
-                self._recover()
-            stream = self._backend.current_stream()  # type: ignore[union-attr]
             pos = -1 if in_backward else self._advance(slot)
+            if not in_backward:
+                self._recover(prune=pos <= 0)  # pruning: once per forward
+            stream = self._backend.current_stream()  # type: ignore[union-attr]
             slot.frames.append((sys.exc_info()[1], pos))
             slot.want_fwd = False
             slot.fwd += 1
@@ -1005,10 +1011,11 @@ class WeightOffloader:
             n = self.prefetch_layers
             if n and pos >= 0:
                 ahead = [s for s in self._sequence[pos + 1 : pos + 1 + n] if s is not slot]
-                for s in self._order:  # prefetched for calls that did not come
+                for s in self._ahead:  # prefetched for calls that did not come
                     if s.want_fwd and s is not slot and all(s is not t for t in ahead):
                         s.want_fwd = False
                         self._maybe_free(s)
+                self._ahead = ahead
                 self._prefetch(ahead, stream, False)
             if self.grads == "host":
                 self._set_staging(slot, allocate=False)
@@ -1016,8 +1023,11 @@ class WeightOffloader:
     def _advance(self, slot: _Slot) -> int:
         """The position of this call in the call sequence: the next occurrence of the
         slot after the previous call, else its first one (a new forward)."""
-        seq = self._sequence
-        for p in (*range(self._cursor + 1, len(seq)), *range(0, len(seq))):
+        seq, nxt = self._sequence, self._cursor + 1
+        if nxt < len(seq) and seq[nxt] is slot:  # the usual case: the next call in order
+            self._cursor = nxt
+            return nxt
+        for p in itertools.chain(range(nxt, len(seq)), range(min(nxt, len(seq)))):
             if seq[p] is slot:
                 self._cursor = p
                 return p
@@ -1214,15 +1224,17 @@ class WeightOffloader:
         for slot in self._slots:
             self._maybe_free(slot)
 
-    def _recover(self) -> None:
+    def _recover(self, prune: bool) -> None:
         """At a forward outside any backward (lock held): a backward that raised never
-        ran its end callback, so clean up after it; and drop the hooks of calls whose
-        graph died without a backward."""
+        ran its end callback, so clean up after it; with ``prune`` (the first layer of a
+        forward) also drop the hooks of calls whose graph died without a backward."""
         if self._bwd_running:
             self._cb_queued = False
             self._cleanup_backward()
             if self._worker is not None:
                 self._worker.drain()
+        if not prune:
+            return
         self._out_hooks = {k: v for k, v in self._out_hooks.items() if v[0]() is not None}
         if any(c.dead for c in self._calls):
             keep = []

@@ -468,7 +468,10 @@ def test_get_cpu_offload_context_offload_weights() -> None:
 # ---- state dicts, close ----------------------------------------------------------------
 
 
-def test_state_dict_round_trip_while_offloaded() -> None:
+@pytest.mark.parametrize("late", [False, True])
+def test_state_dict_round_trip_while_offloaded(late: bool, request) -> None:
+    if late:
+        request.getfixturevalue("late_copies")
     layers = llama(3)
     model = nn.Sequential(nn.Linear(DIM, DIM), *layers)  # one resident module too
     want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -577,9 +580,14 @@ class FailingBlock(nn.Module):
         return _Boom.apply(x) if self.fail_backward else x
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("grads", ["device", "host"])
-def test_exception_leaves_everything_restorable(where: str, grads: str) -> None:
+def test_exception_leaves_everything_restorable(
+    where: str, grads: str, late: bool, request
+) -> None:
+    if late:
+        request.getfixturevalue("late_copies")
     torch.manual_seed(0)
     layers = nn.ModuleList(FailingBlock() for _ in range(4))
     ref = copy.deepcopy(layers)
@@ -728,12 +736,13 @@ class _LateEvent:
     def __init__(self, copies: list, prev: _LateEvent | None) -> None:
         self.copies = copies
         self.prev = prev
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def run(self) -> None:
-        if self.prev is not None:
-            self.prev.run()
-        with self.lock:
+        with self.lock:  # locks are taken newer -> older only: no deadlock
+            prev, self.prev = self.prev, None  # stream order: earlier copies first
+            if prev is not None:
+                prev.run()
             copies, self.copies = self.copies, []
             for src, dst in copies:
                 dst.copy_(src)

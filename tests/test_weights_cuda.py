@@ -411,3 +411,10 @@ def test_parameters_on_the_cpu_warn_and_still_work() -> None:
         off = offload.WeightOffloader(layers)
     models.run_plain(layers, torch.randn(2, 16)).sum().backward()
     off.close()
+
+
+def test_mixed_devices_are_refused() -> None:
+    layers = [nn.Linear(16, 16).to(DEV), nn.Linear(16, 16)]
+    with pytest.raises(ValueError, match="one WeightOffloader per device"):
+        offload.WeightOffloader(layers)
+    assert all(p.untyped_storage().nbytes() > 0 for layer in layers for p in layer.parameters())
