@@ -157,7 +157,9 @@ def train(args: argparse.Namespace, use_offload: bool) -> dict[str, Any]:
     if min_bytes is None:
         min_bytes = SIZES[args.size]["min_tensor_bytes"]
     offloader = (
-        offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=min_bytes) if use_offload else None
+        offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=min_bytes)
+        if use_offload
+        else None
     )
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(args.steps)]

@@ -95,7 +95,8 @@ def main() -> None:
     dtype = torch.bfloat16 if gpu else torch.float32
     if gpu:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GIB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GIB / total), index)
     else:
         torch.set_num_threads(min(4, torch.get_num_threads()))
 

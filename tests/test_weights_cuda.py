@@ -86,7 +86,11 @@ def test_bf16_training_grads_on_device_bitwise(activations: bool, prefetch: int)
         ref_opt.step()
         ref_opt.zero_grad()
     off = offload.WeightOffloader(layers, prefetch_layers=prefetch)
-    acts = offload.ActivationOffloader(layers, min_tensor_bytes=0) if activations else None
+    acts = (
+        offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+        if activations
+        else None
+    )
     opt = torch.optim.AdamW(layers.parameters(), lr=1e-3)
     for x in xs:
         with acts if acts is not None else contextlib.nullcontext():
@@ -126,7 +130,11 @@ def test_bf16_training_grads_on_host_bitwise(activations: bool) -> None:
             for m, p in zip(masters, ref.parameters()):
                 p.copy_(m.to(BF16).to(DEV))
     off = offload.WeightOffloader(layers, grads="host")
-    acts = offload.ActivationOffloader(layers, min_tensor_bytes=0) if activations else None
+    acts = (
+        offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+        if activations
+        else None
+    )
     opt = torch.optim.AdamW(off.host_parameters(), lr=1e-3)
     for x in xs:
         with acts if acts is not None else contextlib.nullcontext():
@@ -345,7 +353,7 @@ def test_peak_memory_falls_by_offloaded_weights(mode: str) -> None:
 def test_steady_state_no_host_sync_no_new_pinned_memory(grads: str) -> None:
     layers = llama(n=4, dim=512, heads=8, ffn=1024)
     off = offload.WeightOffloader(layers, grads=grads)
-    acts = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    acts = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     x = torch.randn(2, 512, 512, device=DEV, dtype=BF16)
 
     def step():
