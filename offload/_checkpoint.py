@@ -47,13 +47,14 @@ So this module never hands torch a device input it offloads. For each call,
    autograd's "modified by an inplace operation" error. A change made after the call
    cannot be seen (the record no longer watches the tensor).
 4. *Prefetch.* Each call registers ``register_multi_grad_hook(outputs, mode="any")``:
-   when the first gradient of call i's outputs arrives (its backward starts), the
-   inputs of the ``prefetch_layers`` calls made before it on this thread (i-1, ...) are
-   reloaded: buffers are allocated in the pool of the compute stream recorded at the
+   when the first gradient of call i's outputs arrives (its backward starts), call i's
+   own inputs are reloaded if no later call prefetched them (they are needed first, so
+   they are copied first), then those of the ``prefetch_layers`` calls made before it on
+   this thread (i-1, ...): buffers are allocated in the pool of the compute stream recorded at the
    forward; the H2D stream waits for that stream (4.1(e)) and for the copies' D2H
    events, copies, and records a reload event, which becomes the pool's H2D fence.
 5. *Recompute.* Torch calls ``record`` again from its unpack hook. A record not
-   prefetched is reloaded here (on demand). The current stream waits for the reload
+   reloaded yet (its outputs had no gradient hook) is reloaded here. The current stream waits for the reload
    event (4.1(c)), each tensor is rebuilt with its dtype, shape, strides and
    ``requires_grad`` as a view of the reloaded bytes, and ``function`` runs on them.
    The record then drops the buffers: what the recomputation saved keeps them alive
@@ -150,8 +151,10 @@ class CheckpointStats:
             the call's device, or not a CPU/CUDA tensor), ``unsupported`` (a tensor
             subclass or a non-strided layout), ``host_limit`` (host budget reached).
         reloads_prefetched: calls whose inputs were reloaded by the backward of a later
-            call, ahead of their recomputation.
-        reloads_on_demand: calls whose inputs were reloaded by their own recomputation.
+            call, ahead of their own backward.
+        reloads_on_demand: calls whose inputs were reloaded when their own backward
+            started (the last call of a forward, or with ``prefetch_layers=0``), or by
+            their recomputation.
         host_pool_bytes: host bytes handed out now.
         host_pool_reserved_bytes: host bytes the pool holds.
         host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
@@ -204,9 +207,11 @@ def _unflatten(spec: Any, leaves: list[torch.Tensor]) -> Any:
 
 
 def _grad_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
-    """Tensors that require grad in a call's output (tensor, tuple, list, dict)."""
+    """Non-leaf tensors that require grad in a call's output (tensor, tuple, list,
+    dict). A leaf can only be an input handed back: a hook on it would outlive the graph
+    (a parameter's hooks pile up step after step)."""
     if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
+        if obj.requires_grad and obj.grad_fn is not None:
             out.append(obj)
     elif depth < _MAX_DEPTH:
         if isinstance(obj, (tuple, list)):
@@ -807,13 +812,18 @@ def _merge_spans(
 
 
 def _backward_started(ref: weakref.ref[_Record], depth: int, _grad: Any) -> None:
-    """The first gradient of a call's outputs arrived: prefetch the calls before it."""
+    """The first gradient of a call's outputs arrived: reload its own inputs if no
+    earlier backward did (needed first, so copied first), then prefetch the calls before
+    it."""
     record = ref()
     if record is None:
         return
     rt = record.rt
     with rt.lock:
         rt.drain()
+        if record.prefetchable():
+            record._reload()
+            rt.stats.reloads_on_demand += 1
         prev = record.prev
         for _ in range(depth):
             target = prev() if prev is not None else None

@@ -344,6 +344,111 @@ def test_host_limit_keeps_inputs_on_the_device() -> None:
     assert off.stats.bytes_offloaded == 0 and off.stats.bytes_kept["host_limit"] == 2 * x.nbytes
 
 
+def test_under_an_activation_offloader(ckpt) -> None:
+    """An ActivationOffloader around offloaded checkpoints: the checkpoint inputs are
+    offloaded here (its hooks see only the 0-byte placeholders), gradients unchanged."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(3))
+    ref = twin(layers)
+    act = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(2, 32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nothing offloaded": true, and the point
+        got = models.step(layers, x, _ckpt_runner(ckpt.checkpoint), act)
+    assert_same(got, models.step(ref, x, _ckpt_runner(_torch_ckpt)))
+    assert act.stats.bytes_offloaded == 0
+    assert ckpt.stats.bytes_offloaded == 3 * x.nbytes
+    act.close()
+
+
+class _EventLog(offload._device.SyncBackend):
+    """A synchronous backend that logs the waits and events an asynchronous one would
+    issue (the copies themselves happen at once), to check their order on the CPU."""
+
+    def __init__(self, device: torch.device, log: list[tuple[Any, ...]]) -> None:
+        super().__init__(device)
+        self.log = log
+        self.count = 0
+
+    def _event(self, kind: str) -> tuple[str, int]:
+        self.count += 1
+        return (kind, self.count)
+
+    def current_stream(self) -> str:
+        return "compute"
+
+    def d2h(self, src, dst, fence, times=None) -> None:
+        super().d2h(src, dst, fence)
+        self.log.append(("d2h", fence))
+
+    def record_d2h(self):
+        event = self._event("d2h")
+        self.log.append(("record", event))
+        return event
+
+    def h2d(self, pairs, waits, stream, times=None):
+        super().h2d(pairs, waits, stream)
+        event = self._event("h2d")
+        self.log.append(("h2d", tuple(waits), stream, event))
+        return event
+
+    def wait(self, stream, event, times=None) -> None:
+        self.log.append(("wait", stream, event))
+
+    def wait_current(self, event, times=None) -> None:
+        self.log.append(("wait", "compute", event))
+
+
+def test_waits_and_events_in_order(monkeypatch) -> None:
+    """Note [checkpoint inputs] with an event-logging backend: the compute stream waits
+    for a call's D2H before the call returns (4.1(b)); a reload waits for the D2H that
+    filled its host bytes and the recomputation for the reload (4.1(c)); the next D2H
+    into the pool waits for the newest reload (4.1(d)); a prefetched buffer that is
+    never used is waited for before it is dropped (4.1(e))."""
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(offload._checkpoint, "backend_for", lambda d: _EventLog(d, log))
+    off = offload.CheckpointOffloader(min_tensor_bytes=0, prefetch_layers=2)
+    layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(3))
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: log.append(("run", i)))
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    h = x
+    for i, layer in enumerate(layers):
+        h = off.checkpoint(layer, h)
+        log.append(("returned", i))
+    h.sum().backward()
+
+    d2h_events = [e[1] for e in log if e[0] == "record"]
+    assert len(d2h_events) == 3
+    for i, event in enumerate(d2h_events):
+        returned = log.index(("returned", i))
+        assert log.index(("wait", "compute", event)) < returned  # before the call returns
+    reloads = [e for e in log if e[0] == "h2d"]
+    assert sorted(r[1] for r in reloads) == [(e,) for e in d2h_events]
+    for r in reloads:
+        (d2h,) = r[1]
+        call = d2h_events.index(d2h)
+        wait = log.index(("wait", "compute", r[3]))
+        recompute = [j for j, e in enumerate(log) if e == ("run", call)][1]  # 2nd run
+        assert log.index(r) < wait < recompute
+    assert [r[1][0] for r in reloads] == d2h_events[::-1]  # 2 on demand, then 1, 0 ahead
+
+    # the next forward's first D2H waits for the newest reload (the pool's H2D fence)
+    log.clear()
+    out = off.checkpoint(layers[0], x)
+    assert log[0] == ("d2h", reloads[-1][3])
+    first = log[1][1]  # the D2H event of this call
+    # prefetched by the backward of `out2`'s call, never recomputed: waited, then dropped
+    out2 = off.checkpoint(layers[1], out)
+    (g,) = torch.autograd.grad(out2.sum(), [out])  # the backward of layers[1] only
+    (prefetch,) = [e for e in log if e[0] == "h2d" and e[1] == (first,)]
+    assert ("wait", "compute", prefetch[3]) not in log
+    del out, out2, g
+    assert ("wait", "compute", prefetch[3]) in log
+    assert off.stats.host_pool_bytes == 0
+    off.close()
+
+
 def test_errors() -> None:
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)
