@@ -386,6 +386,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
