@@ -26,17 +26,18 @@ import torch.multiprocessing as mp
 
 
 def numa_node(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
     try:
-        bus = torch.cuda.get_device_properties(index).pci_bus_id  # type: ignore[attr-defined]
+        bus_id = (
+            f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        )
     except AttributeError:
         return None
-    for candidate in (bus.lower(), bus.lower()[4:] if len(bus) > 12 else bus.lower()):
-        try:
-            with open(f"/sys/bus/pci/devices/{candidate}/numa_node") as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-    return None
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def worker(rank: int, n: int, nbytes: int, repeats: int, barrier, out) -> None:
