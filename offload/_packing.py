@@ -32,6 +32,7 @@ __all__ = [
     "flatten",
     "unflatten",
     "unsupported",
+    "tensors_requiring_grad",
 ]
 
 # Autograd nodes that only re-view or re-type their input: a chain of these from a saved
@@ -159,3 +160,20 @@ def unflatten(
     """Rebuild a wrapper subclass from its (reloaded) inner tensors."""
     unflat: Callable[..., torch.Tensor] = cls.__tensor_unflatten__  # type: ignore[attr-defined]
     return unflat(dict(zip(names, inner)), ctx, size, stride)
+
+
+def tensors_requiring_grad(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors that require grad in a layer's inputs or outputs (a tensor, or tuples,
+    lists and dicts of them, three levels deep; a Hugging Face ``ModelOutput`` is a
+    dict), appended to ``out`` in order."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                tensors_requiring_grad(item, out, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                tensors_requiring_grad(item, out, depth + 1)
+    return out

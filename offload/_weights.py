@@ -155,19 +155,7 @@ def _in_backward() -> bool:
     return fn is not None and fn() != -1
 
 
-def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
-    """Tensors that require grad in a layer's inputs or outputs (tensor, tuple, dict)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif depth < 3:
-        if isinstance(obj, (tuple, list)):
-            for item in obj:
-                _tensors_in(item, out, depth + 1)
-        elif isinstance(obj, dict):  # also HF ModelOutput (an OrderedDict)
-            for item in obj.values():
-                _tensors_in(item, out, depth + 1)
-    return out
+_tensors_in = _packing.tensors_requiring_grad
 
 
 def _fused_weights(module: nn.Module) -> set[int]:
