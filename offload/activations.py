@@ -64,9 +64,14 @@ class ActivationOffloader:
     Args:
         layers: the repeated blocks, in call order (e.g. ``model.layers`` or
             :func:`offload.find_layers`). Each call of one of them is a group.
-        offload_layers: which groups are offloaded. ``None`` (default): all but the
-            last; ``int`` n: the first n; a sequence of indices; or
-            ``callable(index, module) -> bool``.
+        offload_layers: which groups are offloaded. ``"auto"`` (default): the first
+            forward of each input signature offloads nothing and measures every layer
+            (device and host time, bytes) and the link; later forwards offload the
+            longest prefix of layers whose predicted step stays within
+            ``max_slowdown``; ``stats.auto`` says what was chosen and why. Without an
+            accelerator ``"auto"`` selects like ``"all"``. ``"all"`` or ``None``: all
+            but the last; ``int`` n: the first n; a sequence of indices; or
+            ``callable(index, module) -> bool`` (its signature is checked here).
         min_tensor_bytes: tensors whose copied bytes are fewer stay on the device.
             Default ``256 * 1024``.
         prefetch_layers: ``None`` (default) reloads as early as the resident bound
@@ -89,13 +94,18 @@ class ActivationOffloader:
             stream for a copy; reading :attr:`stats` then fills each layer's
             ``d2h_seconds``, ``h2d_seconds`` and ``stall_seconds`` (and waits on the
             host for the recorded copies). Default ``False`` (the fields stay ``None``).
+        max_slowdown: the step-time increase ``"auto"`` may spend, as a fraction of the
+            step without offloading. Default ``0.03``.
         config: an :class:`OffloadConfig` instead of the keywords above.
 
     Raises:
         TypeError: ``layers`` is not a sequence of ``nn.Module``; a keyword has the
-            wrong type; both ``config`` and keywords are given.
+            wrong type; a callable ``offload_layers`` does not take ``(index,
+            module)``; both ``config`` and keywords are given.
         ValueError: ``layers`` is empty; ``offload_layers`` is out of range for
-            ``len(layers)``; a numeric keyword is out of range.
+            ``len(layers)`` or an unknown string; a numeric keyword is out of range.
+        RuntimeError: (on entering) this or another offload context is already
+            active on the thread.
 
     Invariants (``# Note [release order]`` in ``offload/_scheduler.py`` says why each
     holds): a copy never starts before the kernel that produced its bytes; a device block
