@@ -89,10 +89,11 @@ import torch.utils.checkpoint as _torch_ckpt
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _python_dispatch
 
-from offload import _packing
+from offload import _packing, _placement
 from offload._device import Backend, backend_for
 from offload._handles import inplace_message
 from offload._host_pool import HostBlock, HostPool
+from offload._scheduler import in_backward, opted_out  # no_offload() keeps inputs too
 from offload._warn import warn_at_caller
 
 __all__ = [
@@ -206,28 +207,15 @@ def _unflatten(spec: Any, leaves: list[torch.Tensor]) -> Any:
     return spec[1]
 
 
-def _grad_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     """Non-leaf tensors that require grad in a call's output (tensor, tuple, list,
     dict). A leaf can only be an input handed back: a hook on it would outlive the graph
     (a parameter's hooks pile up step after step)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and obj.grad_fn is not None:
-            out.append(obj)
-    elif depth < _MAX_DEPTH:
-        if isinstance(obj, (tuple, list)):
-            for item in obj:
-                _grad_tensors(item, out, depth + 1)
-        elif isinstance(obj, dict):  # also Hugging Face ModelOutput (an OrderedDict)
-            for item in obj.values():
-                _grad_tensors(item, out, depth + 1)
-    return out
+    found = _packing.tensors_requiring_grad(obj, [], max_depth=_MAX_DEPTH)
+    return [t for t in found if t.grad_fn is not None]
 
 
-def _kept_bytes(t: torch.Tensor) -> int:
-    try:
-        return t.numel() * t.element_size()
-    except RuntimeError:  # nested, sparse
-        return 0
+_kept_bytes = _placement.kept_bytes
 
 
 # --------------------------------------------------------------------------------------
@@ -477,25 +465,9 @@ class _Runtime:
             )
 
 
-def _opted_out() -> bool:
-    # offload.no_offload() also keeps checkpoint inputs on the device
-    from offload._scheduler import opted_out
-
-    return opted_out()
-
-
-def _marked(t: torch.Tensor) -> bool:
-    d = t.__dict__
-    return bool(d) and bool(d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
-
-
 def _no_dispatch_modes() -> Any:
     disable = getattr(_python_dispatch, "_disable_current_modes", None)
     return disable() if disable is not None else contextlib.nullcontext()
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _check_use_reentrant(use_reentrant: Any) -> None:
@@ -641,9 +613,9 @@ class CheckpointOffloader:
         torch_kwargs = {k: kwargs.pop(k) for k in _TORCH_KWARGS if k in kwargs}
         if (
             not torch.is_grad_enabled()
-            or _in_backward()
+            or in_backward()
             or torch.compiler.is_compiling()
-            or _opted_out()
+            or opted_out()
         ):
             # No backward to recompute for / a checkpoint nested in a recomputation /
             # traced by dynamo / opted out: torch's own checkpoint, unchanged.
@@ -664,7 +636,7 @@ class CheckpointOffloader:
         record.forward_call = None
         self._release(record, leaves)
         del leaves, torch_args
-        outputs = _grad_tensors(out, [])
+        outputs = _grad_tensors(out)
         if outputs and self.prefetch_layers > 0:
             hook = functools.partial(_backward_started, weakref.ref(record), self.prefetch_layers)
             torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
@@ -701,7 +673,7 @@ class CheckpointOffloader:
             reason = None
             if not _packing.is_plain(t) or _packing.unsupported(t):
                 reason = "unsupported"
-            elif _marked(t):
+            elif _placement.marked(t):
                 reason = "opted_out"
             elif issubclass(type(t), torch.nn.Parameter):
                 reason = "parameter"

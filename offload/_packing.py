@@ -162,18 +162,20 @@ def unflatten(
     return unflat(dict(zip(names, inner)), ctx, size, stride)
 
 
-def tensors_requiring_grad(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+def tensors_requiring_grad(
+    obj: Any, out: list[torch.Tensor], depth: int = 0, max_depth: int = 3
+) -> list[torch.Tensor]:
     """Tensors that require grad in a layer's inputs or outputs (a tensor, or tuples,
-    lists and dicts of them, three levels deep; a Hugging Face ``ModelOutput`` is a
-    dict), appended to ``out`` in order."""
+    lists and dicts of them, ``max_depth`` levels deep; a Hugging Face ``ModelOutput`` is
+    a dict), appended to ``out`` in order."""
     if isinstance(obj, torch.Tensor):
         if obj.requires_grad:
             out.append(obj)
-    elif depth < 3:
+    elif depth < max_depth:
         if isinstance(obj, (tuple, list)):
             for item in obj:
-                tensors_requiring_grad(item, out, depth + 1)
+                tensors_requiring_grad(item, out, depth + 1, max_depth)
         elif isinstance(obj, dict):
             for item in obj.values():
-                tensors_requiring_grad(item, out, depth + 1)
+                tensors_requiring_grad(item, out, depth + 1, max_depth)
     return out

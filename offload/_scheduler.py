@@ -99,7 +99,7 @@ from offload._plan import Plan
 from offload._warn import warn_at_caller
 from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
-__all__ = ["Runtime", "Step", "opted_out"]
+__all__ = ["Runtime", "Step", "in_backward", "opted_out"]
 
 _thread = threading.local()
 
@@ -107,6 +107,12 @@ _thread = threading.local()
 def opted_out() -> bool:
     """Whether the calling thread is inside :func:`offload.no_offload`."""
     return getattr(_thread, "no_offload", 0) > 0
+
+
+def in_backward() -> bool:
+    """Whether the calling thread runs inside autograd's engine (a backward)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
 
 
 def _enter_no_offload() -> None:

@@ -105,6 +105,7 @@ from torch import nn
 from offload import _packing
 from offload._device import Backend, backend_for
 from offload._host_pool import HostBlock, HostPool, _next_pow2
+from offload._scheduler import in_backward as _in_backward
 from offload._warn import warn_at_caller
 
 __all__ = ["WeightOffloader", "manual_weight_context"]
@@ -147,12 +148,6 @@ def _optimizer_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
                         f"offloader.host_parameters() and call offloader.push() "
                         f"(grads='host')"
                     )
-
-
-def _in_backward() -> bool:
-    """Whether the calling thread runs inside autograd's engine (a backward)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
 
 
 _tensors_in = _packing.tensors_requiring_grad

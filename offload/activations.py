@@ -241,13 +241,7 @@ class ActivationOffloader:
             # Earlier forwards whose backward ran (or whose graph is gone) need no hooks:
             # remove what is left of them, so nothing piles up on tensors that live
             # across steps (a fixed batch, a parameter passed to every layer).
-            keep = []
-            for old in self._unfinished:
-                if old.finished:
-                    old.remove_hooks()
-                else:
-                    keep.append(old)
-            self._unfinished = keep
+            self._unfinished = _prune(self._unfinished)
             self._groups_this_entry = 0
             self._new_step()
             for module in dict.fromkeys(self._layers):  # each module once, in order
@@ -282,9 +276,7 @@ class ActivationOffloader:
                     )
             else:
                 step.abort()
-                for old in self._unfinished:
-                    if old.finished:
-                        old.remove_hooks()
+                self._unfinished = _prune(self._unfinished)
         finally:
             self._remove_layer_hooks()
             hooks, self._saved_hooks = self._saved_hooks, None
@@ -594,9 +586,9 @@ class _ManualContext:
             step = self.step
             if step is None or len(step.groups) >= self.model_layers:
                 # A new forward: hooks of earlier forwards whose backward ran go now.
-                self._unfinished = [s for s in self._unfinished if not _cleaned(s)]
-                if step is not None and not _cleaned(step):
+                if step is not None:
                     self._unfinished.append(step)
+                self._unfinished = _prune(self._unfinished)
                 plan = plan_forward(
                     self.num_layers, [None] * self.model_layers, self.config.prefetch_layers
                 )
@@ -640,12 +632,16 @@ class _ManualContext:
         return OffloadStats() if step is None else step.read_stats()
 
 
-def _cleaned(step: Step) -> bool:
-    """Remove a finished step's hooks; True when it is finished."""
-    if step.finished:
-        step.remove_hooks()
-        return True
-    return False
+def _prune(steps: list[Step]) -> list[Step]:
+    """Remove the hooks of the finished steps (their backward ran, or their graph is
+    gone) and return the others, whose backward is still to come."""
+    waiting = []
+    for step in steps:
+        if step.finished:
+            step.remove_hooks()
+        else:
+            waiting.append(step)
+    return waiting
 
 
 def _identity(x: Any) -> Any:
