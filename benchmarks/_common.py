@@ -131,8 +131,11 @@ def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> 
 
     Sums the device intervals of the ``Memcpy DtoH ...`` and ``Memcpy HtoD ...`` events
     (CUPTI records; overlapping copies of one direction counted once, as the union of
-    their intervals). Returns ``{"d2h_ms", "h2d_ms", "d2h_count", "h2d_count"}`` or
-    ``{"error": ...}`` when the profiler is unavailable or recorded no copies.
+    their intervals). Returns ``{"d2h_ms", "h2d_ms", "d2h_count", "h2d_count",
+    "codec_ms", "codec_count"}`` or ``{"error": ...}`` when the profiler is unavailable
+    or recorded no copies. ``codec_ms``: the device time (union of intervals) of the
+    kernels whose name contains ``quantize`` (the fp8 codec of ``compress="fp8"``,
+    ``offload/_compress.py``; it covers ``dequantize``), 0 without compression.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -143,10 +146,12 @@ def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step()
                 synchronize(device)
-        spans: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": []}
+        spans: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": [], "codec": []}
         for evt in prof.events():
             if evt.device_type != DeviceType.CUDA:
                 continue
+            if "quantize" in evt.name:
+                spans["codec"].append((evt.time_range.start, evt.time_range.end))
             for direction, prefix in (("d2h", "Memcpy DtoH"), ("h2d", "Memcpy HtoD")):
                 if evt.name.startswith(prefix):
                     spans[direction].append((evt.time_range.start, evt.time_range.end))
@@ -157,6 +162,8 @@ def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> 
         "h2d_ms": _union_us(spans["h2d"]) / 1e3,
         "d2h_count": len(spans["d2h"]),
         "h2d_count": len(spans["h2d"]),
+        "codec_ms": _union_us(spans["codec"]) / 1e3,
+        "codec_count": len(spans["codec"]),
     }
 
 

@@ -35,6 +35,10 @@ Rows, all in this one process:
   is marked ``(default)`` when every other setting is the library's (it is what
   ``offload_layers=None`` does), ``k=0`` is marked ``(hooks only)``;
 * ``offload k=L-1 double_buffering`` with ``--double-buffering-compare``;
+* ``offload k=n fp8`` for each n of ``--compress-ks``: the same with ``compress="fp8"``
+  (lossy: floating tensors travel as fp8 with a scale per 128 elements); ``D2H / step``
+  counts the compressed bytes, ``codec ms`` (JSON ``profiled_step.codec_ms``) is the
+  device time of the quantize and dequantize kernels in the profiled step;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the
   layers only (same scope as the offloader: the loss stays outside);
 * ``checkpoint``: ``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)``
@@ -224,11 +228,14 @@ class Offloaded(Runner):
         *,
         double_buffering: bool,
         min_tensor_bytes: int | None,
+        compress: str | None = None,
     ) -> None:
         super().__init__(layers)
         kwargs: dict[str, Any] = {"offload_layers": k}
         if double_buffering:
             kwargs["double_buffering"] = True
+        if compress is not None:
+            kwargs["compress"] = compress
         if min_tensor_bytes is not None:
             kwargs["min_tensor_bytes"] = min_tensor_bytes
         self.offloader = offload.ActivationOffloader(layers, **kwargs)
@@ -239,6 +246,8 @@ class Offloaded(Runner):
             self.name += " (hooks only)"
         elif k == len(layers) - 1:
             self.name += " (all)"
+        if compress is not None:
+            self.name += f" {compress}"
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         with self.offloader:
@@ -529,6 +538,7 @@ def largest_k_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         and isinstance(r["k"], int)
         and r["k"]
         and not r["double_buffering"]
+        and not r.get("compress")
         and r["bytes_d2h"][-1]
     ]
     return max(candidates, key=lambda r: r["k"], default=None)
@@ -562,7 +572,7 @@ def add_predictions(result: dict[str, Any]) -> None:
     num_layers = result["settings"]["model"]["layers"]
     fwd, bwd = lay["forward_ms_median"], lay["backward_ms_median"]
 
-    def simulate(offloaded: list[int]) -> float:
+    def simulate(offloaded: list[int], sizes: list[float] = sizes) -> float:
         return simulate_step_ms(
             num_layers, offloaded, fwd, bwd, sizes, pinned["d2h"], pinned["h2d"]
         )
@@ -581,7 +591,9 @@ def add_predictions(result: dict[str, Any]) -> None:
             k = row["k"] if isinstance(row["k"], int) else row["details"].get("auto_k")
             if k is None:
                 continue
-            row["model_raw_ms"] = simulate(list(range(k)))
+            # compressed rows: the bytes that row sent (the codec's kernels not modelled)
+            own = layer_bytes(row) if row.get("compress") and k else sizes
+            row["model_raw_ms"] = simulate(list(range(k)), own)
             row["model_ms"] = none_ms + row["model_raw_ms"] - plain
 
 
@@ -749,6 +761,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="path of the JSON result")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
+        "--compress-ks",
+        default="",
+        help="comma-separated offload_layers values also run with compress='fp8' "
+        "(rows 'offload k=n fp8'; default: none)",
+    )
+    parser.add_argument(
         "--double-buffering-compare",
         action="store_true",
         help="also run k=L-1 with double_buffering=True",
@@ -795,13 +813,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     else:
         try:
             args.ks = [
-                k.strip() if k.strip() == "auto" else int(k) for k in args.ks.split(",") if k.strip()
+                k.strip() if k.strip() == "auto" else int(k)
+                for k in args.ks.split(",")
+                if k.strip()
             ]
         except ValueError:
             parser.error(f"--ks must be comma-separated ints or 'auto'; got {args.ks!r}")
         bad = [k for k in args.ks if k != "auto" and not 0 <= k <= L]
         if bad:
             parser.error(f"--ks values {bad} out of range: 0 <= k <= layers = {L}")
+    try:
+        args.compress_ks = [int(k) for k in args.compress_ks.split(",") if k.strip()]
+    except ValueError:
+        parser.error(f"--compress-ks must be comma-separated ints; got {args.compress_ks!r}")
+    if any(not 0 <= k <= L for k in args.compress_ks):
+        parser.error(f"--compress-ks values must be 0 <= k <= layers = {L}")
     if args.steps < 5:
         parser.error(f"--steps {args.steps}: at least 5 timed steps")
     if args.warmup < 1:
@@ -831,6 +857,15 @@ def runners(
             layers, k, double_buffering=double, min_tensor_bytes=args.min_tensor_bytes
         )
         yield runner, {"method": "offload", "k": k, "double_buffering": double}
+    for k in args.compress_ks:
+        runner = Offloaded(
+            layers,
+            k,
+            double_buffering=False,
+            min_tensor_bytes=args.min_tensor_bytes,
+            compress="fp8",
+        )
+        yield runner, {"method": "offload", "k": k, "double_buffering": False, "compress": "fp8"}
     if "save_on_cpu" in args.methods:
         yield SaveOnCpu(layers), {"method": "save_on_cpu"}
     if "checkpoint" in args.methods:
@@ -863,6 +898,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "warmup": args.warmup,
             "ks": args.ks,
             "double_buffering_compare": args.double_buffering_compare,
+            "compress_ks": args.compress_ks,
             "min_tensor_bytes": args.min_tensor_bytes,
             "quick": args.quick,
             "cpu_threads": torch.get_num_threads(),

@@ -28,9 +28,7 @@ import torch.multiprocessing as mp
 def numa_node(index: int) -> int | None:
     props = torch.cuda.get_device_properties(index)
     try:
-        bus_id = (
-            f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        )
+        bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     except AttributeError:
         return None
     try:

@@ -11,6 +11,12 @@
 #   weights   benchmarks/bench_weights.py and examples/weights.py
 #   ckpt      benchmarks/bench_checkpoint.py
 #   hostprof  benchmarks/hostprof.py (cProfile of tiny48 steps, k=0 and all)
+#   codec     benchmarks/bench_codec.py (fp8 quantize / dequantize GB/s, Triton vs eager)
+#   compress  benchmarks/bench_compress_accuracy.py (compress="fp8": gradient error on ref-8L,
+#             char-level GPT loss curves with and without) and its --keep-fp32 ref part
+#   multigpu  benchmarks/bench_multigpu_memcpy.py (pinned memcpy, N concurrent copiers), then
+#             benchmarks/bench_multigpu.py under torchrun on every GPU (FSDP2 ref-8L, k = 0,
+#             2, 4, 7, bitwise check); for a machine with several GPUs, not in the default list
 #   extra     any benchmark named in $EXTRA (a shell command), for work in progress
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
@@ -32,7 +38,12 @@ for part in $parts; do
              2>&1 | tail -30 ;;
     tiny48) timeout 240 python3 benchmarks/bench_activations.py --preset tiny48 \
              --out "$OUT/bench_tiny48.json" 2>&1 | tail -16 ;;
-    ref8l) timeout 240 python3 benchmarks/bench_activations.py \
+    codec) timeout 120 python3 benchmarks/bench_codec.py --out "$OUT/bench_codec.json" 2>&1 | tail -20 ;;
+    compress) timeout 300 python3 benchmarks/bench_compress_accuracy.py \
+             --out "$OUT/bench_compress_accuracy.json" 2>&1 | tee "$OUT/bench_compress_accuracy.log" | tail -40
+             timeout 120 python3 benchmarks/bench_compress_accuracy.py --parts ref --keep-fp32 \
+             --out "$OUT/bench_compress_accuracy_keepfp32.json" 2>&1 | tail -25 ;;
+    ref8l) timeout 300 python3 benchmarks/bench_activations.py --compress-ks ${COMPRESS_KS:-2,4,7} \
              --out "$OUT/bench_ref8l.json" 2>&1 | tail -16 ;;
     profile) OFFLOAD_PROFILE_JSON="$OUT/profile_cuda_test.json" timeout 200 python3 -m offload \
              profile --offload-layers 4 --steps 5 --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
@@ -44,6 +55,11 @@ for part in $parts; do
              timeout 180 python3 examples/weights.py 2>&1 | tee "$OUT/weights_example.log" | tail -12 ;;
     ckpt) timeout 300 python3 benchmarks/bench_checkpoint.py --out "$OUT/bench_checkpoint.json" \
              2>&1 | tee "$OUT/bench_checkpoint.log" | tail -25 ;;
+    multigpu) timeout 180 python3 benchmarks/bench_multigpu_memcpy.py \
+             --out "$OUT/multigpu_memcpy.json" 2>&1 | tee "$OUT/multigpu_memcpy.log" | tail -8
+             timeout 400 torchrun --nproc_per_node $(python3 -c 'import torch;print(torch.cuda.device_count())') \
+             benchmarks/bench_multigpu.py --out "$OUT/bench_multigpu.json" 2>&1 \
+             | tee "$OUT/bench_multigpu.log" | tail -30 ;;
     extra) bash -c "${EXTRA:-true}" ;;
   esac
 done

@@ -361,7 +361,7 @@ class _Record:
         allocated = backend.alloc([c.nbytes for c in self.copies], stream)  # type: ignore[union-attr]
         for copy, buf in zip(self.copies, allocated):
             buffers[id(copy)] = buf
-            pairs.append((copy.block.tensor, buf))  # type: ignore[union-attr]
+            pairs.append((copy.block.tensor, buf, None))  # type: ignore[union-attr]
             waits.append(copy.d2h_event)
         event = backend.h2d(pairs, waits, stream)  # type: ignore[union-attr]
         self.buffers = buffers
@@ -720,7 +720,7 @@ class CheckpointOffloader:
                         copy = _HostCopy(rt, block, start, end, version)
                         copy.ref = StorageWeakRef(storage)
                         backend.d2h(
-                            [(_packing.as_bytes(members[0][1], start, end), block.tensor)],
+                            [(_packing.as_bytes(members[0][1], start, end), block.tensor, None)],
                             pool.h2d_fence,
                         )
                         rt.shared[(key, start, end)] = copy

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from offload import _compress
+
 __all__ = ["Backend", "CudaBackend", "SyncBackend", "backend_for"]
 
 
@@ -29,6 +31,29 @@ __all__ = ["Backend", "CudaBackend", "SyncBackend", "backend_for"]
 #: the host (synchronous path) or ``(kind, start_event, end_event)`` on a device stream.
 #: ``kind`` is ``"d2h"``, ``"h2d"`` or ``"stall"`` (the compute stream waiting for a copy).
 Times = list[tuple[Any, ...]]
+
+#: One copy: ``(src, dst, codec)``. ``codec`` is ``None`` (copy the bytes exactly) or
+#: the dtype of the elements (``compress="fp8"``): D2H quantizes ``src`` (a byte view
+#: of whole elements of that dtype) into the packed form of ``offload/_compress.py``,
+#: whose bytes are ``dst``; H2D dequantizes the packed host bytes ``src`` into ``dst``.
+Copies = list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
+
+
+def _pack_into(src: torch.Tensor, dst: torch.Tensor, codec: torch.dtype) -> None:
+    """Quantize the device bytes ``src`` into the host bytes ``dst``, through a packed
+    device buffer allocated on the current stream (the copy stream: the buffer's block
+    returns to that stream's pool and is reused only behind this copy)."""
+    packed = torch.empty(dst.numel(), dtype=torch.uint8, device=src.device)
+    _compress.quantize_into(src.view(codec), packed)
+    dst.copy_(packed, non_blocking=True)
+
+
+def _unpack_into(src: torch.Tensor, dst: torch.Tensor, codec: torch.dtype) -> None:
+    """Copy the packed host bytes ``src`` to the device and dequantize them into ``dst``
+    (on the current stream, the reload stream; same pool argument as ``_pack_into``)."""
+    packed = torch.empty(src.numel(), dtype=torch.uint8, device=dst.device)
+    packed.copy_(src, non_blocking=True)
+    _compress.dequantize_into(packed, dst.view(codec))
 
 
 class Backend:
@@ -47,17 +72,15 @@ class Backend:
     def current_stream(self) -> Any:
         return None
 
-    def d2h(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        fence: Any,
-        times: Times | None = None,
-    ) -> None:
+    def d2h(self, pairs: Copies, fence: Any, times: Times | None = None) -> None:
         """Copy each device ``src`` into its host ``dst``, after the work that produced
         them (everything queued so far on the current stream)."""
         start = time.perf_counter() if times is not None else 0.0
-        for src, dst in pairs:
-            dst.copy_(src)
+        for src, dst, codec in pairs:
+            if codec is None:
+                dst.copy_(src)
+            else:
+                _compress.quantize_into(src.view(codec), dst)
         if times is not None:
             times.append(("d2h", time.perf_counter() - start))
 
@@ -71,15 +94,18 @@ class Backend:
 
     def h2d(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: Copies,
         waits: list[Any],
         stream: Any,
         times: Times | None = None,
     ) -> Any:
         """Copy each host ``src`` into its device ``dst``; returns the reload event."""
         start = time.perf_counter() if times is not None else 0.0
-        for src, dst in pairs:
-            dst.copy_(src)
+        for src, dst, codec in pairs:
+            if codec is None:
+                dst.copy_(src)
+            else:
+                _compress.dequantize_into(src, dst.view(codec))
         if times is not None:
             times.append(("h2d", time.perf_counter() - start))
         return None
@@ -132,12 +158,7 @@ class CudaBackend(Backend):
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def d2h(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        fence: Any,
-        times: Times | None = None,
-    ) -> None:
+    def d2h(self, pairs: Copies, fence: Any, times: Times | None = None) -> None:
         compute = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
         # 4.1(a): the copies start only after everything queued so far on the producing
@@ -154,8 +175,11 @@ class CudaBackend(Backend):
             if times is not None:
                 start, end = _timed_event(), _timed_event()
                 start.record()
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+            for src, dst, codec in pairs:
+                if codec is None:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    _pack_into(src, dst, codec)
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
@@ -173,7 +197,7 @@ class CudaBackend(Backend):
 
     def h2d(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: Copies,
         waits: list[Any],
         stream: torch.cuda.Stream,
         times: Times | None = None,
@@ -188,8 +212,11 @@ class CudaBackend(Backend):
             if times is not None:
                 start = _timed_event()
                 start.record()
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+            for src, dst, codec in pairs:
+                if codec is None:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    _unpack_into(src, dst, codec)
             if times is not None:
                 end = _timed_event()
                 end.record()

@@ -137,8 +137,15 @@ def stats_summary(stats: OffloadStats) -> str:
     """One line: sent, kept by reason (non-zero only), host pool."""
     kept = ", ".join(f"{k} {format_bytes(v)}" for k, v in stats.bytes_kept.items() if v)
     auto = f"auto: {stats.auto['reason']}. " if stats.auto else ""
+    packed = ""
+    if stats.compress_bytes_before:
+        packed = (
+            f" (fp8: {format_bytes(stats.compress_bytes_before)} compressed to "
+            f"{format_bytes(stats.compress_bytes_after)}, ratio "
+            f"{stats.compress_bytes_after / stats.compress_bytes_before:.2f})"
+        )
     return auto + (
-        f"offloaded {format_bytes(stats.bytes_offloaded)} "
+        f"offloaded {format_bytes(stats.bytes_offloaded)}{packed} "
         f"(freed {format_bytes(stats.bytes_released)} on the device) in "
         f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "
         f"layers; kept {kept or 'nothing'}; host pool {format_bytes(stats.host_pool_bytes)} "

@@ -82,7 +82,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _packing, _placement, _timing
+from offload import _compress, _packing, _placement, _timing
 from offload._buffers import ReloadBuffers
 from offload._device import Backend, backend_for
 from offload._handles import (
@@ -179,9 +179,18 @@ class _Copy:
         "poison",
         "ref",
         "storage_nbytes",
+        "codec",
     )
 
-    def __init__(self, owner: int, start: int, end: int, version: int, host: HostBlock):
+    def __init__(
+        self,
+        owner: int,
+        start: int,
+        end: int,
+        version: int,
+        host: HostBlock,
+        codec: torch.dtype | None,
+    ):
         self.owner = owner
         self.start = start
         self.end = end
@@ -197,6 +206,9 @@ class _Copy:
         self.poison: str | None = None
         self.ref: StorageWeakRef | None = None  # the device storage, while it lives
         self.storage_nbytes = 0
+        #: compress="fp8": the dtype the span is quantized from (its host bytes are the
+        #: packed form of offload/_compress.py); None: the span's bytes, exactly
+        self.codec = codec
 
 
 class _Group:
@@ -324,7 +336,8 @@ class Step:
         self.candidate_owner: dict[int, int] = {}
         #: D2H copies not issued yet (Note [release order], 1): issued in small batches
         #: (one stream switch and one wait per batch) and always before a group closes
-        self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
+        self.compress = self.cfg.compress is not None
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -561,6 +574,8 @@ class Step:
             owner = self.candidate_owner.setdefault(key, group.index)
             if owner == group.index and group.candidates is not None:
                 size = total if 2 * nbytes >= total else nbytes
+                if self.compress and self._codec(t, 0, size) is not None:
+                    size = _compress.packed_nbytes(size // t.element_size())
                 group.candidates[key] = max(group.candidates.get(key, 0), size)
             return self._keep("not_selected", group, t)
 
@@ -592,14 +607,19 @@ class Step:
             total = storage.nbytes()
             if 2 * nbytes >= total:
                 c_start, c_end = 0, total
-            block = self.rt.pool.allocate(c_end - c_start)
+            span_bytes = c_end - c_start
+            codec = self._codec(t, c_start, c_end) if self.compress else None
+            sent = span_bytes
+            if codec is not None:
+                sent = _compress.packed_nbytes(span_bytes // t.element_size())
+            block = self.rt.pool.allocate(sent)
             if block is None:
-                self._warn_host_limit(c_end - c_start)
+                self._warn_host_limit(sent)
                 return self._keep("host_limit", group, t)
-            copy = _Copy(group.index, c_start, c_end, version, block)
+            copy = _Copy(group.index, c_start, c_end, version, block, codec)
             copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
             queue = self.d2h_queue
-            queue.append((_packing.as_bytes(t, c_start, c_end), block.tensor))
+            queue.append((_packing.as_bytes(t, c_start, c_end), block.tensor, codec))
             if len(queue) >= _D2H_BATCH:
                 self._flush_d2h(group)
             group.device_refs.append((t.detach(), version, copy))
@@ -607,10 +627,14 @@ class Step:
                 self.storages[key] = [copy]
             else:
                 copies.append(copy)
-            sent = c_end - c_start
             group.stats.bytes_offloaded += sent
             name = _dtype_name(t.dtype)
-            by_dtype = self.stats.bytes_by_dtype
+            stats = self.stats
+            if codec is not None:
+                name += " as fp8"
+                stats.compress_bytes_before += span_bytes
+                stats.compress_bytes_after += sent
+            by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
         if id(copy) not in group.copies:
             group.copies[id(copy)] = copy
@@ -618,6 +642,22 @@ class Step:
         copy.refs += 1
         group.live += 1
         return Offloaded(self, group, copy, t, start - copy.start)
+
+    def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
+        """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
+        (``compress="fp8"``), or ``None`` to send its bytes exactly: integer, bool and
+        fp8 tensors, tensors ``compress_filter`` exempts, and spans that are not whole
+        elements of ``t``'s dtype."""
+        dtype = t.dtype
+        if dtype not in _compress.COMPRESSIBLE:
+            return None
+        itemsize = dtype.itemsize
+        if start % itemsize or end % itemsize:
+            return None
+        flt = self.cfg.compress_filter
+        if flt is not None and not flt(t):
+            return None
+        return dtype
 
     def _flush_d2h(self, group: _Group | None) -> None:
         """Issue the queued D2H copies (lock held)."""
@@ -694,7 +734,7 @@ class Step:
         pairs, waits = [], []
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
-            pairs.append((copy.host.tensor, buffer))  # type: ignore[union-attr]
+            pairs.append((copy.host.tensor, buffer, copy.codec))  # type: ignore[union-attr]
             owner = self.groups[copy.owner]
             if owner.d2h_done is None and owner.device_refs:
                 owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
@@ -706,7 +746,7 @@ class Step:
                 copy.stream = stream
                 copy.waited = False
                 copy.holders = copy.users  # kept until every user group is done
-                self.stats.bytes_reloaded += copy.end - copy.start
+                self.stats.bytes_reloaded += copy.host.tensor.numel()  # type: ignore[union-attr]
             if event is not None:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True

@@ -905,7 +905,7 @@ class WeightOffloader:
         for st in slot.stores:
             st.storage.resize_(st.nbytes)  # allocated in the current (compute) stream's pool
         waits = [slot.write_event] if slot.write_event is not None else []
-        pairs = [(st.host, st.device) for st in slot.stores]
+        pairs = [(st.host, st.device, None) for st in slot.stores]
         slot.ready = backend.h2d(pairs, waits, stream)  # type: ignore[union-attr]
         if slot.ready is not None:
             self._last_h2d = slot.ready
@@ -940,7 +940,7 @@ class WeightOffloader:
                 backend.wait(stream, backend.record(current))  # type: ignore[union-attr]
         if any(prm.param._version != v for prm, v in zip(slot.params, slot.versions)):
             for st in slot.stores:  # write back what changed on the device (step 5)
-                backend.d2h([(st.device, st.host)], None)  # type: ignore[union-attr]
+                backend.d2h([(st.device, st.host, None)], None)  # type: ignore[union-attr]
             event = backend.record_d2h()  # type: ignore[union-attr]
             backend.wait(stream, event)  # type: ignore[union-attr]
             slot.write_event = event
@@ -1280,7 +1280,7 @@ class WeightOffloader:
                 f"gradient of {slot.where}"
             )
         host = block.tensor.view(grad.dtype).view(grad.shape)
-        backend.d2h([(grad, host)], None)  # type: ignore[union-attr]
+        backend.d2h([(grad, host, None)], None)  # type: ignore[union-attr]
         event = backend.record_d2h()  # type: ignore[union-attr]
         stream = backend.current_stream()  # type: ignore[union-attr]
         payload = after if after is not None else _Keep(grad)
@@ -1335,7 +1335,7 @@ class WeightOffloader:
                 prm.param._version != v for prm, v in zip(slot.params, slot.versions)
             ):  # changed on the device (inside resident()): bring the host copy up to date
                 for st in slot.stores:
-                    backend.d2h([(st.device, st.host)], None)  # type: ignore[union-attr]
+                    backend.d2h([(st.device, st.host, None)], None)  # type: ignore[union-attr]
                 slot.write_event = backend.record_d2h()  # type: ignore[union-attr]
                 slot.versions = [prm.param._version for prm in slot.params]
             backend.host_wait(slot.write_event)  # type: ignore[union-attr]
@@ -1455,7 +1455,7 @@ class WeightOffloader:
                     for prm in masters:
                         self._host_view(prm).copy_(prm.master)  # type: ignore[arg-type]
                 if slot.resident:  # refresh the device copy too, after its readers
-                    pairs = [(st.host, st.device) for st in slot.stores]
+                    pairs = [(st.host, st.device, None) for st in slot.stores]
                     slot.ready = backend.h2d(pairs, [], stream)  # type: ignore[union-attr]
                     if slot.ready is not None:
                         self._last_h2d = slot.ready

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OffloadConfig", "LayerSelection", "SELECTION_MODES"]
+__all__ = ["COMPRESS_MODES", "LayerSelection", "OffloadConfig", "SELECTION_MODES"]
 
 #: What ``offload_layers`` accepts: ``"auto"`` (as many as the link hides), ``"all"`` or
 #: ``None`` (all but the last), ``int`` n (the first n), a sequence of indices, or
@@ -18,6 +18,9 @@ LayerSelection = None | str | int | Sequence[int] | Callable[[int, torch.nn.Modu
 
 #: The strings ``offload_layers`` accepts.
 SELECTION_MODES = ("auto", "all")
+
+#: What ``compress`` accepts besides ``None`` (lossless, the default).
+COMPRESS_MODES = ("fp8",)
 
 
 def _type_name(value: Any) -> str:
@@ -52,6 +55,17 @@ class OffloadConfig:
         max_slowdown: the step-time increase ``"auto"`` may spend, as a fraction of the
             step without offloading (predicted from measured compute and link times).
             Default ``0.03``.
+        compress: ``None`` (default): every offloaded byte comes back exactly, and
+            gradients are bitwise equal to a run without offloading. ``"fp8"``: lossy
+            and opt-in: floating tensors (bf16, fp16, fp32) travel as ``float8_e4m3fn``
+            with one fp32 scale per 128 consecutive elements (about half the link
+            bytes of bf16, a quarter of fp32), quantized on the device before the copy
+            and dequantized after the reload; integer, bool and fp8 tensors travel
+            unchanged. The per-element error bound and measured accuracy are in the
+            README ("Compressed offload").
+        compress_filter: ``callable(tensor) -> bool``; ``False`` sends that tensor
+            exactly (uncompressed) even with ``compress="fp8"``. Default ``None``
+            (compress every floating tensor).
         timing: record the time of every copy (CUDA events; host clock on the
             synchronous path) and of every wait of the compute stream for a copy, per
             layer, in the stats. Default ``False``.
@@ -75,6 +89,8 @@ class OffloadConfig:
     tensor_filter: Callable[[torch.Tensor], bool] | None = None
     timing: bool = False
     max_slowdown: float = 0.03
+    compress: str | None = None
+    compress_filter: Callable[[torch.Tensor], bool] | None = None
 
     def __post_init__(self) -> None:
         sel = self.offload_layers
@@ -138,10 +154,22 @@ class OffloadConfig:
                 f"max_slowdown={self.max_slowdown}: must be a fraction between 0 and 10 "
                 f"(0.03 = 3% slower at most)"
             )
-        if self.tensor_filter is not None and not callable(self.tensor_filter):
-            raise TypeError(
-                f"tensor_filter must be None or a callable(tensor) -> bool; got "
-                f"{_type_name(self.tensor_filter)} {self.tensor_filter!r}"
+        for name in ("tensor_filter", "compress_filter"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"{name} must be None or a callable(tensor) -> bool; got "
+                    f"{_type_name(value)} {value!r}"
+                )
+        if self.compress is not None and self.compress not in COMPRESS_MODES:
+            raise ValueError(
+                f"compress={self.compress!r} is not supported; accepted values: None "
+                f"(lossless, the default), {', '.join(repr(m) for m in COMPRESS_MODES)}"
+            )
+        if self.compress_filter is not None and self.compress is None:
+            raise ValueError(
+                "compress_filter is set but compress=None: nothing is compressed; pass "
+                "compress='fp8' to compress, or drop compress_filter"
             )
 
 

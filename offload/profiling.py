@@ -76,10 +76,18 @@ class OffloadStats:
     """The most recent forward under an offloader, completed by its backward.
 
     Attributes:
-        bytes_offloaded: bytes copied to the host, each storage span counted once.
+        bytes_offloaded: bytes copied to the host, each storage span counted once (after
+            compression, with ``compress="fp8"``: the bytes that crossed the link).
         bytes_kept: bytes of saved tensors that stayed on the device, for every reason
             of :data:`KEEP_REASONS` (0 when unused).
-        bytes_by_dtype: offloaded bytes per dtype name (``"bfloat16"``, ``"float8_e4m3fn"``).
+        bytes_by_dtype: offloaded bytes per dtype name (``"bfloat16"``, ``"float8_e4m3fn"``);
+            compressed spans under ``"<dtype> as fp8"`` (``"bfloat16 as fp8"``), counted
+            after compression (fp8 bytes and their scales).
+        compress_bytes_before: with ``compress="fp8"``, the bytes of the spans that were
+            compressed, before compression (0 without compression).
+        compress_bytes_after: the same spans after compression (fp8 elements and fp32
+            scales): ``compress_bytes_after / compress_bytes_before`` is the ratio
+            (about 0.51 for bf16, 0.26 for fp32).
         bytes_reloaded: bytes copied back to the device so far (grows during backward).
         bytes_released: device bytes the releases freed: offloaded storages that nothing
             else referenced (a layer output also saved by a layer that is not offloaded,
@@ -104,6 +112,8 @@ class OffloadStats:
     host_pool_reserved_bytes: int = 0
     host_pool_peak_bytes: int = 0
     auto: dict[str, Any] | None = None
+    compress_bytes_before: int = 0
+    compress_bytes_after: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""

@@ -744,7 +744,7 @@ class _LateEvent:
             if prev is not None:
                 prev.run()
             copies, self.copies = self.copies, []
-            for src, dst in copies:
+            for src, dst, _codec in copies:  # weights never travel compressed
                 dst.copy_(src)
 
 
@@ -780,7 +780,7 @@ class LateBackend(Backend):
         for event in waits:
             if event is not None:
                 event.run()
-        for _src, dst in pairs:
+        for _src, dst, _codec in pairs:
             dst.fill_(255)  # not written yet: NaN in every float dtype
         self.last_h2d = _LateEvent(list(pairs), self.last_h2d)
         return self.last_h2d
