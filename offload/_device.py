@@ -39,23 +39,6 @@ Times = list[tuple[Any, ...]]
 Copies = list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
 
 
-def _pack_into(src: torch.Tensor, dst: torch.Tensor, codec: torch.dtype) -> None:
-    """Quantize the device bytes ``src`` into the host bytes ``dst``, through a packed
-    device buffer allocated on the current stream (the copy stream: the buffer's block
-    returns to that stream's pool and is reused only behind this copy)."""
-    packed = torch.empty(dst.numel(), dtype=torch.uint8, device=src.device)
-    _compress.quantize_into(src.view(codec), packed)
-    dst.copy_(packed, non_blocking=True)
-
-
-def _unpack_into(src: torch.Tensor, dst: torch.Tensor, codec: torch.dtype) -> None:
-    """Copy the packed host bytes ``src`` to the device and dequantize them into ``dst``
-    (on the current stream, the reload stream; same pool argument as ``_pack_into``)."""
-    packed = torch.empty(src.numel(), dtype=torch.uint8, device=dst.device)
-    packed.copy_(src, non_blocking=True)
-    _compress.dequantize_into(packed, dst.view(codec))
-
-
 class Backend:
     """Interface shared by the synchronous and the CUDA backend.
 
@@ -139,8 +122,64 @@ def _timed_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
 
+class _Staging:
+    """Two device slots through which compressed copies pass, one direction's.
+
+    ``compress="fp8"`` needs the packed bytes on the device: D2H quantizes a source into
+    a slot (codec stream) and copies the slot to the host (copy stream); H2D copies the
+    host bytes into a slot (copy stream) and dequantizes the slot into the reload buffer
+    (codec stream). Two slots let the codec kernel of one tensor run while the link
+    carries the previous one, and bound the device memory this costs to two packed
+    tensors (the largest seen), kept across steps until the backend is dropped.
+    ``free[i]``: the event after the last use of slot ``i`` by the stream that uses it
+    second; the next writer of the slot waits for it.
+    """
+
+    __slots__ = ("buffer", "slot_bytes", "turn", "free")
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.slot_bytes = 0
+        self.turn = 0
+        self.free: list[Any] = [None, None]
+
+    def slot(
+        self, nbytes: int, device: torch.device, owner: Any, other: Any
+    ) -> tuple[torch.Tensor, int]:
+        """A slot of at least ``nbytes`` (a view) and its index. A larger buffer is
+        allocated in ``owner``'s pool when needed; the old one is released after the
+        work already queued on ``other`` (``record_stream``), so no copy reads freed
+        memory."""
+        if nbytes > self.slot_bytes:
+            old = self.buffer
+            self.slot_bytes = (nbytes + _SLOT_ROUND - 1) // _SLOT_ROUND * _SLOT_ROUND
+            with torch.cuda.stream(owner):
+                self.buffer = torch.empty(2 * self.slot_bytes, dtype=torch.uint8, device=device)
+            if old is not None:
+                old.record_stream(other)
+            # the new block may be one ``owner`` freed: stream order on ``owner`` keeps it
+            # safe; ``other`` must not still use it: it waits for ``owner`` below
+            other.wait_stream(owner)
+            self.free = [None, None]
+        i = self.turn
+        self.turn ^= 1
+        start = i * self.slot_bytes
+        return self.buffer[start : start + nbytes], i  # type: ignore[index]
+
+
+#: Slot sizes are rounded up to this many bytes (fewer regrowths for similar shapes).
+_SLOT_ROUND = 1 << 20
+
+
 class CudaBackend(Backend):
-    """Copies on side streams, ordered with events (docs/design.md 3, invariants 4.1)."""
+    """Copies on side streams, ordered with events (docs/design.md 3, invariants 4.1).
+
+    With ``compress="fp8"`` two more streams of the highest priority run the codec
+    kernels (one per direction): at normal priority a quantize kernel queued beside a
+    large matmul waits for most of the matmul's blocks before it gets a
+    multiprocessor, and the link idles meanwhile. The staging slots (:class:`_Staging`)
+    overlap each codec kernel with the copy of the previous tensor.
+    """
 
     is_async = True
 
@@ -154,6 +193,16 @@ class CudaBackend(Backend):
         # event creation per saved tensor (the hot path).
         self._ready = torch.cuda.Event()
         self._fence_waited: Any = None
+        self._codec: dict[str, tuple[torch.cuda.Stream, _Staging]] = {}
+
+    def _codec_stream(self, direction: str) -> tuple[torch.cuda.Stream, _Staging]:
+        """The codec stream and staging slots of ``direction`` (made at first use)."""
+        made = self._codec.get(direction)
+        if made is None:
+            with torch.cuda.device(self.device):
+                high = torch.cuda.Stream(self.device, priority=-100)  # clamped to the highest
+            made = self._codec[direction] = (high, _Staging())
+        return made
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -175,11 +224,23 @@ class CudaBackend(Backend):
             if times is not None:
                 start, end = _timed_event(), _timed_event()
                 start.record()
+            codec_stream: Any = None
             for src, dst, codec in pairs:
                 if codec is None:
                     dst.copy_(src, non_blocking=True)
-                else:
-                    _pack_into(src, dst, codec)
+                    continue
+                if codec_stream is None:
+                    codec_stream, staging = self._codec_stream("d2h")
+                    codec_stream.wait_event(self._ready)  # 4.1(a) for the quantize kernels
+                slot, i = staging.slot(dst.numel(), self.device, codec_stream, stream)
+                with torch.cuda.stream(codec_stream):
+                    if staging.free[i] is not None:  # the copy that last read this slot
+                        codec_stream.wait_event(staging.free[i])
+                    _compress.quantize_into(src.view(codec), slot)
+                    quantized = codec_stream.record_event()
+                stream.wait_event(quantized)
+                dst.copy_(slot, non_blocking=True)
+                staging.free[i] = stream.record_event()
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
@@ -208,20 +269,37 @@ class CudaBackend(Backend):
         for event in waits:  # the D2H copies that filled the host bytes
             if event is not None:
                 self.h2d_stream.wait_event(event)
-        with torch.cuda.stream(self.h2d_stream):
+        copy_stream = self.h2d_stream
+        codec_stream: Any = None
+        with torch.cuda.stream(copy_stream):
             if times is not None:
                 start = _timed_event()
                 start.record()
             for src, dst, codec in pairs:
                 if codec is None:
                     dst.copy_(src, non_blocking=True)
-                else:
-                    _unpack_into(src, dst, codec)
+                    continue
+                if codec_stream is None:
+                    codec_stream, staging = self._codec_stream("h2d")
+                slot, i = staging.slot(src.numel(), self.device, codec_stream, copy_stream)
+                if staging.free[i] is not None:  # the dequantize that last read this slot
+                    copy_stream.wait_event(staging.free[i])
+                slot.copy_(src, non_blocking=True)
+                # the codec stream follows the copy stream, which waited for ``stream``
+                # (4.1(e): the reload buffer's block) and for the D2H (``waits``)
+                codec_stream.wait_event(copy_stream.record_event())
+                with torch.cuda.stream(codec_stream):
+                    _compress.dequantize_into(slot, dst.view(codec))
+                    staging.free[i] = codec_stream.record_event()
+            done = copy_stream
+            if codec_stream is not None:  # the reload event covers both streams' work
+                codec_stream.wait_stream(copy_stream)
+                done = codec_stream
             if times is not None:
                 end = _timed_event()
-                end.record()
+                end.record(done)
                 times.append(("h2d", start, end))
-        return self.h2d_stream.record_event()
+        return done.record_event()
 
     def wait(self, stream: torch.cuda.Stream, event: Any, times: Times | None = None) -> None:
         if event is None:

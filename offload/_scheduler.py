@@ -61,6 +61,17 @@ Backward (outside the context, possibly on autograd's device threads):
    The next D2H into that block waits for the pool's H2D fence (step 1). A handle can die
    on any thread: if the lock is busy, the work is queued and done by the next caller.
 
+*Compressed copies* (``compress="fp8"``, ``_device.CudaBackend``) add two kernels and
+change no step above. In step 1 a high-priority codec stream waits for the compute
+stream like the D2H stream does, quantizes the span into a staging slot, and the D2H
+stream copies the slot after waiting for that kernel: the group's D2H event still
+completes after every read of the device bytes. In step 4 the H2D stream copies the
+packed host bytes into a staging slot and the codec stream, behind that copy (and so
+behind the compute stream and the D2H events the H2D stream waited for), dequantizes
+the slot into the reload buffer; the reload event is recorded on the codec stream after
+it waited for the H2D stream, so it covers both. A slot is rewritten only after the
+event that follows its last reader (``_Staging.free``).
+
 8. *Hooks.* The tensor hooks of steps 4 and 6 are removed when the step's backward is
    over (every group with copies dropped; queued to the end of that backward with
    autograd's ``queue_callback``), or at the next forward for a step whose graph died
