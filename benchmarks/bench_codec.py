@@ -16,8 +16,9 @@ byte-wise accesses Triton then emits for the codes.
 
 Rows: ``op`` (``quantize``: ``quantize_into``, tensor -> packed bytes; ``dequantize``:
 ``dequantize_into``, packed bytes -> tensor) x ``impl`` (``triton``: the fused kernels,
-what CUDA tensors use; ``eager``: the torch reference, which allocates float32
-temporaries; on the CPU only ``eager``).
+what CUDA tensors use on GPUs with hardware fp8 conversion, compute capability 8.9 or
+newer; ``eager``: the torch reference, which allocates float32 temporaries; on the CPU
+and older GPUs only ``eager``).
 
 Columns: ``ms``: median over ``--repeats`` calls after ``--warmup``, each timed alone
 (CUDA events on the current stream; ``perf_counter`` on the CPU); ``GB/s moved``: (bytes
@@ -178,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU: run with --device cpu", file=sys.stderr)
         return 2
     mib = args.mib if args.mib is not None else (704.0 if device.type == "cuda" else 16.0)
-    use_triton = device.type == "cuda" and codec.triton_available()
+    use_triton = device.type == "cuda" and codec.triton_supported(device)
     impls = ["triton", "eager"] if use_triton else ["eager"]
     if device.type == "cuda" and not use_triton:
-        print("triton is not installed: CUDA tensors take the eager path", file=sys.stderr)
+        print(
+            "triton is not installed or the GPU lacks hardware fp8 conversion (compute "
+            "capability below 8.9): CUDA tensors take the eager path",
+            file=sys.stderr,
+        )
 
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     codec_state = (
         f"triton kernels, {codec.ROWS_PER_PROGRAM} blocks of {codec.BLOCK} per program, "
-        f"{codec._NUM_WARPS} warps, hardware fp8 conversion: {codec._hw_fp8(device)}"
+        f"{codec._NUM_WARPS} warps, hardware fp8 conversion"
         if use_triton
         else "eager only"
     )
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 "block": codec.BLOCK,
                 "blocks_per_program": codec.ROWS_PER_PROGRAM,
                 "num_warps": codec._NUM_WARPS,
-                "hw_fp8": codec._hw_fp8(device) if use_triton else None,
+                "triton_supported": codec.triton_supported(device),
                 "triton_failure": codec._triton_failure,
             },
             "environment": environment(device),

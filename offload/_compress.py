@@ -78,21 +78,23 @@ that it is nearly attained (worst error / bound above 0.75 on normal data).
 Implementations
 ---------------
 * eager (:func:`quantize_eager`, :func:`dequantize_eager`): torch operations on any
-  device (the CPU path, the reference, and the fallback when Triton is missing); pads
-  the last block and allocates float32 temporaries of the span's size.
+  device (the CPU path, the reference, and the fallback on GPUs the Triton kernels do
+  not serve); pads the last block and allocates float32 temporaries of the span's size.
 * Triton (:func:`quantize_triton`, :func:`dequantize_triton`), used for CUDA tensors
-  when ``triton`` imports: one fused kernel each way, one read and one write of the
-  data, no allocation, no host synchronisation, on the current stream; each program
-  handles :data:`ROWS_PER_PROGRAM` blocks. The float32 -> e4m3fn conversion uses the
-  hardware instruction (``cvt.rn.satfinite``) on compute capability 8.9 and newer and an
-  exact integer emulation of round-to-nearest-even elsewhere (``hw_fp8=False``).
-  Whole tiles load and store without masks (only the last program is masked), so the
-  accesses are 16-byte vectors where the addresses allow: the data tensor, and the codes
-  when ``out.data_ptr() + 4 * nb`` is a multiple of 16 (``nb`` a multiple of 4 and
-  ``out`` 16-byte aligned); otherwise the codes go byte by byte (still coalesced).
+  when ``triton`` imports and the GPU converts float32 <-> e4m3fn in hardware (NVIDIA,
+  compute capability 8.9 or newer: ``cvt.rn.satfinite``; :func:`triton_supported`): one
+  fused kernel each way, one read and one write of the data, no allocation, no host
+  synchronisation, on the current stream; each program handles
+  :data:`ROWS_PER_PROGRAM` blocks. Whole tiles load and store without masks (only the
+  last program is masked), so the accesses are 16-byte vectors where the addresses
+  allow: the data tensor, and the codes when ``out.data_ptr() + 4 * nb`` is a multiple
+  of 16 (``nb`` a multiple of 4 and ``out`` 16-byte aligned); otherwise the codes go
+  byte by byte (still coalesced).
 
-``triton`` is imported lazily, on the first CUDA call; importing this module touches no
-CUDA state.
+GPUs older than sm_89, ROCm devices, and machines without ``triton`` use the eager codec
+(slower, allocates float32 temporaries); so does the CPU, which never imports ``triton``.
+``triton`` is imported lazily, on the first call for a supported GPU; importing this
+module touches no CUDA state.
 
 >>> x = torch.randn(300, dtype=torch.bfloat16)
 >>> packed = torch.empty(packed_nbytes(x.numel()), dtype=torch.uint8)
@@ -126,6 +128,7 @@ __all__ = [
     "quantize_triton",
     "dequantize_triton",
     "triton_available",
+    "triton_supported",
     "unpack_scales",
     "error_bound",
 ]
@@ -218,9 +221,10 @@ def quantize_into(src: torch.Tensor, out: torch.Tensor) -> None:
     """Quantize ``src`` blockwise to FP8 and write the packed form into ``out``.
 
     CUDA tensors go through the fused Triton kernel (no allocation, no host
-    synchronisation, current stream) when ``triton`` imports, otherwise through
-    :func:`quantize_eager` (also, with a warning, from the first time a kernel fails to
-    compile with the installed triton). The numerics are the module's invariant.
+    synchronisation, current stream) when :func:`triton_supported` (``triton`` imports
+    and the GPU has hardware fp8 conversion, compute capability 8.9 or newer), otherwise
+    through :func:`quantize_eager` (also, with a warning, from the first time a kernel
+    fails to compile with the installed triton). The numerics are the module's invariant.
 
     Args:
         src: 1-D contiguous tensor of dtype bfloat16, float16 or float32, ``n`` elements
@@ -236,10 +240,10 @@ def quantize_into(src: torch.Tensor, out: torch.Tensor) -> None:
     _check_packed("out", "quantize_into", out, src.numel(), src.device)
     if src.numel() == 0:
         return
-    kernels = _kernels() if src.is_cuda and _triton_failure is None else None
+    kernels = _dispatch_kernels(src.device)
     if kernels is not None:
         try:
-            _launch_quantize(kernels, src, out, _hw_fp8(src.device))
+            _launch_quantize(kernels, src, out)
             return
         except Exception as exc:  # the kernel does not compile with this triton
             _give_up_triton(exc)
@@ -249,8 +253,8 @@ def quantize_into(src: torch.Tensor, out: torch.Tensor) -> None:
 def dequantize_into(packed: torch.Tensor, out: torch.Tensor) -> None:
     """Decode the packed form written by :func:`quantize_into` into ``out``, in place.
 
-    CUDA tensors go through the fused Triton kernel when ``triton`` imports, otherwise
-    through :func:`dequantize_eager` (as for :func:`quantize_into`).
+    CUDA tensors go through the fused Triton kernel when :func:`triton_supported`,
+    otherwise through :func:`dequantize_eager` (as for :func:`quantize_into`).
 
     Args:
         packed: 1-D contiguous ``torch.uint8`` tensor of :func:`packed_nbytes` ``(n)``
@@ -266,10 +270,10 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor) -> None:
     _check_packed("packed", "dequantize_into", packed, out.numel(), out.device)
     if out.numel() == 0:
         return
-    kernels = _kernels() if out.is_cuda and _triton_failure is None else None
+    kernels = _dispatch_kernels(out.device)
     if kernels is not None:
         try:
-            _launch_dequantize(kernels, packed, out, _hw_fp8(out.device))
+            _launch_dequantize(kernels, packed, out)
             return
         except Exception as exc:  # the kernel does not compile with this triton
             _give_up_triton(exc)
@@ -308,49 +312,46 @@ def dequantize_eager(packed: torch.Tensor, out: torch.Tensor) -> None:
         _dequantize_eager(packed, out)
 
 
-def quantize_triton(src: torch.Tensor, out: torch.Tensor, *, hw_fp8: bool | None = None) -> None:
-    """:func:`quantize_into` through the Triton kernel, whatever the device.
+def quantize_triton(src: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`quantize_into` through the Triton kernel, never the eager codec.
 
     Args:
-        src: as for :func:`quantize_into` (a CUDA tensor, or a CPU tensor under
-            ``TRITON_INTERPRET=1``).
+        src: as for :func:`quantize_into`, on a CUDA device with hardware fp8 conversion
+            (NVIDIA, compute capability 8.9 or newer).
         out: as for :func:`quantize_into`.
-        hw_fp8: convert float32 -> e4m3fn with the hardware instruction (``True``) or the
-            exact integer emulation (``False``); ``None``: hardware on CUDA devices of
-            compute capability 8.9 or newer.
 
     Raises:
         ValueError: as for :func:`quantize_into`.
-        RuntimeError: ``triton`` cannot be imported.
+        RuntimeError: ``src`` is not on such a device, or ``triton`` cannot be imported
+            (:func:`quantize_into` takes the eager codec in both cases).
     """
     _check_data("src", "quantize_triton", src)
     _check_packed("out", "quantize_triton", out, src.numel(), src.device)
+    _require_hw_fp8("quantize_triton", "quantize_into", src.device)
     kernels = _require_kernels()
     if src.numel():
-        _launch_quantize(kernels, src, out, _hw_fp8(src.device) if hw_fp8 is None else hw_fp8)
+        _launch_quantize(kernels, src, out)
 
 
-def dequantize_triton(
-    packed: torch.Tensor, out: torch.Tensor, *, hw_fp8: bool | None = None
-) -> None:
-    """:func:`dequantize_into` through the Triton kernel, whatever the device.
+def dequantize_triton(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`dequantize_into` through the Triton kernel, never the eager codec.
 
     Args:
         packed: as for :func:`dequantize_into`.
-        out: as for :func:`dequantize_into` (a CUDA tensor, or a CPU tensor under
-            ``TRITON_INTERPRET=1``).
-        hw_fp8: convert e4m3fn -> float32 with the hardware instruction or the integer
-            emulation (both exact); ``None``: as for :func:`quantize_triton`.
+        out: as for :func:`dequantize_into`, on a CUDA device with hardware fp8
+            conversion (NVIDIA, compute capability 8.9 or newer).
 
     Raises:
         ValueError: as for :func:`dequantize_into`.
-        RuntimeError: ``triton`` cannot be imported.
+        RuntimeError: ``out`` is not on such a device, or ``triton`` cannot be imported
+            (:func:`dequantize_into` takes the eager codec in both cases).
     """
     _check_data("out", "dequantize_triton", out)
     _check_packed("packed", "dequantize_triton", packed, out.numel(), out.device)
+    _require_hw_fp8("dequantize_triton", "dequantize_into", out.device)
     kernels = _require_kernels()
     if out.numel():
-        _launch_dequantize(kernels, packed, out, _hw_fp8(out.device) if hw_fp8 is None else hw_fp8)
+        _launch_dequantize(kernels, packed, out)
 
 
 # --------------------------------------------------------------------------------------
@@ -455,8 +456,26 @@ _triton_failure: str | None = None
 
 
 def triton_available() -> bool:
-    """Whether ``triton`` imports (and so whether CUDA tensors take the fused kernels)."""
+    """Whether ``triton`` imports (see :func:`triton_supported` for a given device)."""
     return _kernels() is not None
+
+
+def triton_supported(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` can take the fused Triton kernels: a CUDA device with
+    hardware float32 <-> e4m3fn conversion (NVIDIA, compute capability 8.9 or newer; not
+    ROCm) and ``triton`` imports. Elsewhere :func:`quantize_into` and
+    :func:`dequantize_into` use the eager codec. Imports ``triton`` only for such a
+    device."""
+    device = torch.device(device)
+    return _device_has_hw_fp8(device) and _kernels() is not None
+
+
+def _dispatch_kernels(device: torch.device) -> SimpleNamespace | None:
+    """The kernels :func:`quantize_into` / :func:`dequantize_into` use on ``device``, or
+    None for the eager codec (checked before importing ``triton``: the CPU never does)."""
+    if _triton_failure is not None or not _device_has_hw_fp8(device):
+        return None
+    return _kernels()
 
 
 @functools.cache
@@ -490,19 +509,43 @@ def _require_kernels() -> SimpleNamespace:
     return kernels
 
 
+_MIN_CAPABILITY = (8, 9)
+
+
 @functools.cache
-def _hw_fp8_for(index: int) -> bool:
+def _index_has_hw_fp8(index: int) -> bool:
     if torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
 
 
-def _hw_fp8(device: torch.device) -> bool:
-    """Use the hardware float32 <-> e4m3fn conversion on this device?"""
+def _device_has_hw_fp8(device: torch.device) -> bool:
+    """Does ``device`` convert float32 <-> e4m3fn in hardware (round to nearest even)?"""
     if device.type != "cuda":
-        return False  # the interpreter: its fp8 emulation is not round-to-nearest-even
+        return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _hw_fp8_for(index)
+    return _index_has_hw_fp8(index)
+
+
+def _require_hw_fp8(fn: str, fallback: str, device: torch.device) -> None:
+    if _device_has_hw_fp8(device):
+        return
+    need = (
+        "the Triton FP8 codec needs an NVIDIA GPU with hardware float32 <-> float8_e4m3fn "
+        f"conversion (compute capability {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} or "
+        "newer)"
+    )
+    if device.type != "cuda":
+        got = f"the tensors are on {device}"
+    elif torch.version.hip is not None:
+        got = f"{device} is a ROCm device"
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        got = f"{device} has compute capability {major}.{minor}"
+    raise RuntimeError(
+        f"{fn}: {need}; {got}. Use {fallback}, which falls back to the eager codec there."
+    )
 
 
 def _launch(kernel: Any, device: torch.device, grid: tuple[int], *args: Any, **meta: Any) -> None:
@@ -514,9 +557,7 @@ def _launch(kernel: Any, device: torch.device, grid: tuple[int], *args: Any, **m
     kernel[grid](*args, **meta)
 
 
-def _launch_quantize(
-    kernels: SimpleNamespace, src: torch.Tensor, out: torch.Tensor, hw: bool
-) -> None:
+def _launch_quantize(kernels: SimpleNamespace, src: torch.Tensor, out: torch.Tensor) -> None:
     n = src.numel()
     nb = -(-n // BLOCK)
     grid = (-(-nb // ROWS_PER_PROGRAM),)
@@ -531,14 +572,11 @@ def _launch_quantize(
         nb,
         BLOCK=BLOCK,
         ROWS=ROWS_PER_PROGRAM,
-        HW_FP8=hw,
         num_warps=_NUM_WARPS,
     )
 
 
-def _launch_dequantize(
-    kernels: SimpleNamespace, packed: torch.Tensor, out: torch.Tensor, hw: bool
-) -> None:
+def _launch_dequantize(kernels: SimpleNamespace, packed: torch.Tensor, out: torch.Tensor) -> None:
     n = out.numel()
     nb = -(-n // BLOCK)
     grid = (-(-nb // ROWS_PER_PROGRAM),)
@@ -553,7 +591,6 @@ def _launch_dequantize(
         nb,
         BLOCK=BLOCK,
         ROWS=ROWS_PER_PROGRAM,
-        HW_FP8=hw,
         num_warps=_NUM_WARPS,
     )
 
@@ -561,38 +598,14 @@ def _launch_dequantize(
 def _build_kernels() -> SimpleNamespace:
     """Define the Triton kernels (imports ``triton``; raises ``ImportError`` without it).
 
-    Triton resolves the names a kernel uses (``tl``, the helper functions) in the
-    kernel's module globals, not in enclosing scopes, so the lazily imported
-    ``triton.language`` and the two helpers are bound as globals of this module here.
+    Triton resolves the names a kernel uses (``tl``) in the kernel's module globals, not
+    in enclosing scopes, so the lazily imported ``triton.language`` is bound as a global
+    of this module here. The float32 <-> e4m3fn conversions are the hardware ones
+    (``tl.float8e4nv``; the caller checks the device: compute capability 8.9 or newer).
     """
-    global tl, _fp32_to_e4m3_bits, _e4m3_bits_to_fp32
+    global tl
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def _fp32_to_e4m3_bits(y):
-        # round-to-nearest-even float32 -> e4m3fn code for finite |y| <= 448, in integers
-        yb = y.to(tl.int32, bitcast=True)
-        sign = (yb >> 24) & 0x80
-        a = yb & 0x7FFFFFFF
-        # normal range (|y| >= 2**-6): drop 20 mantissa bits with RNE, rebias 127 -> 7
-        r = a + 0x7FFFF + ((a >> 20) & 1)
-        normal = (r >> 20) - (120 << 3)
-        # subnormal range: the code is RNE(|y| * 2**9); adding 2**23 rounds to an integer
-        v = a.to(tl.float32, bitcast=True) * 512.0
-        sub = ((v + 8388608.0) - 8388608.0).to(tl.int32)
-        return tl.where(a < (121 << 23), sub, normal) | sign
-
-    @triton.jit
-    def _e4m3_bits_to_fp32(code):
-        c = code.to(tl.int32)
-        e = (c >> 3) & 0xF
-        m = c & 0x7
-        normal = ((e + 120) << 23) | (m << 20)
-        normal = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, normal)  # the NaN codes
-        sub = m.to(tl.float32) * 0.001953125  # m * 2**-9, exact
-        mag = tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
-        return tl.where((c & 0x80) != 0, -mag, mag)
 
     # the sizes are not specialised (a recompilation per n % 16 would buy nothing: whole
     # tiles are unmasked anyway); the pointers are (16-byte alignment enables vectors)
@@ -605,7 +618,6 @@ def _build_kernels() -> SimpleNamespace:
         n_blocks,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        HW_FP8: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         row0 = pid * ROWS
@@ -632,10 +644,7 @@ def _build_kernels() -> SimpleNamespace:
         y = x * inv[:, None]
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         y = tl.where(finite[:, None], y, 0.0)
-        if HW_FP8:
-            q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        else:
-            q = _fp32_to_e4m3_bits(y).to(tl.uint8)
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         if full:
             tl.store(codes_ptr + start + local, q)
         else:
@@ -660,7 +669,6 @@ def _build_kernels() -> SimpleNamespace:
         n_blocks,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        HW_FP8: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         row0 = pid * ROWS
@@ -683,10 +691,7 @@ def _build_kernels() -> SimpleNamespace:
             code = tl.load(codes_ptr + start + local)
         else:
             code = tl.load(codes_ptr + start + local, mask=mask, other=0)
-        if HW_FP8:
-            qf = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            qf = _e4m3_bits_to_fp32(code)
+        qf = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         y = (qf * scale[:, None]).to(out_ptr.dtype.element_ty)
         if full:
             tl.store(out_ptr + start + local, y)
