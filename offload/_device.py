@@ -18,6 +18,7 @@ wait is where it is.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ Times = list[tuple[Any, ...]]
 
 #: One copy: ``(src, dst, codec)``. ``codec`` is ``None`` (copy the bytes exactly) or
 #: the dtype of the elements (``compress="fp8"``): D2H quantizes ``src`` (a byte view
-#: of whole elements of that dtype) into the packed form of ``offload/_compress.py``,
-#: whose bytes are ``dst``; H2D dequantizes the packed host bytes ``src`` into ``dst``.
+#: of whole elements of that dtype) into ``dst``, chunk by chunk (``CHUNK_ELEMENTS``):
+#: the host bytes are the packed forms of ``offload/_compress.py`` of each chunk, back
+#: to back; H2D dequantizes them into ``dst``. Both backends use this layout.
 Copies = list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
 
 
@@ -62,8 +64,9 @@ class Backend:
         for src, dst, codec in pairs:
             if codec is None:
                 dst.copy_(src)
-            else:
-                _compress.quantize_into(src.view(codec), dst)
+                continue
+            for part, packed in _chunks(src.view(codec), dst):
+                _compress.quantize_into(part, packed)
         if times is not None:
             times.append(("d2h", time.perf_counter() - start))
 
@@ -87,8 +90,9 @@ class Backend:
         for src, dst, codec in pairs:
             if codec is None:
                 dst.copy_(src)
-            else:
-                _compress.dequantize_into(src, dst.view(codec))
+                continue
+            for part, packed in _chunks(dst.view(codec), src):
+                _compress.dequantize_into(packed, part)
         if times is not None:
             times.append(("h2d", time.perf_counter() - start))
         return None
@@ -170,6 +174,27 @@ class _Staging:
 #: Slot sizes are rounded up to this many bytes (fewer regrowths for similar shapes).
 _SLOT_ROUND = 1 << 20
 
+#: Elements per chunk of a compressed copy (a multiple of the codec's block): a large
+#: tensor passes through the staging slots in chunks, so a slot holds at most
+#: ``packed_nbytes(CHUNK_ELEMENTS)`` (about 8.3 MiB) and each chunk's codec kernel
+#: overlaps the previous chunk's copy.
+CHUNK_ELEMENTS = 8 << 20
+
+
+def _chunks(
+    elements: torch.Tensor, packed: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs ``(elements[a:b], packed bytes of that chunk)``: the packed form of a span
+    is the concatenation of its chunks' packed forms (``_compress.packed_nbytes`` of
+    the whole equals the sum over chunks, since a chunk is a whole number of blocks)."""
+    n = elements.numel()
+    offset = 0
+    for a in range(0, n, CHUNK_ELEMENTS):
+        part = elements[a : a + CHUNK_ELEMENTS]
+        size = _compress.packed_nbytes(part.numel())
+        yield part, packed[offset : offset + size]
+        offset += size
+
 
 class CudaBackend(Backend):
     """Copies on side streams, ordered with events (docs/design.md 3, invariants 4.1).
@@ -232,15 +257,16 @@ class CudaBackend(Backend):
                 if codec_stream is None:
                     codec_stream, staging = self._codec_stream("d2h")
                     codec_stream.wait_event(self._ready)  # 4.1(a) for the quantize kernels
-                slot, i = staging.slot(dst.numel(), self.device, codec_stream, stream)
-                with torch.cuda.stream(codec_stream):
-                    if staging.free[i] is not None:  # the copy that last read this slot
-                        codec_stream.wait_event(staging.free[i])
-                    _compress.quantize_into(src.view(codec), slot)
-                    quantized = codec_stream.record_event()
-                stream.wait_event(quantized)
-                dst.copy_(slot, non_blocking=True)
-                staging.free[i] = stream.record_event()
+                for part, packed in _chunks(src.view(codec), dst):
+                    slot, i = staging.slot(packed.numel(), self.device, codec_stream, stream)
+                    with torch.cuda.stream(codec_stream):
+                        if staging.free[i] is not None:  # the copy that last read the slot
+                            codec_stream.wait_event(staging.free[i])
+                        _compress.quantize_into(part, slot)
+                        quantized = codec_stream.record_event()
+                    stream.wait_event(quantized)
+                    packed.copy_(slot, non_blocking=True)
+                    staging.free[i] = stream.record_event()
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
@@ -281,16 +307,17 @@ class CudaBackend(Backend):
                     continue
                 if codec_stream is None:
                     codec_stream, staging = self._codec_stream("h2d")
-                slot, i = staging.slot(src.numel(), self.device, codec_stream, copy_stream)
-                if staging.free[i] is not None:  # the dequantize that last read this slot
-                    copy_stream.wait_event(staging.free[i])
-                slot.copy_(src, non_blocking=True)
-                # the codec stream follows the copy stream, which waited for ``stream``
-                # (4.1(e): the reload buffer's block) and for the D2H (``waits``)
-                codec_stream.wait_event(copy_stream.record_event())
-                with torch.cuda.stream(codec_stream):
-                    _compress.dequantize_into(slot, dst.view(codec))
-                    staging.free[i] = codec_stream.record_event()
+                for part, packed in _chunks(dst.view(codec), src):
+                    slot, i = staging.slot(packed.numel(), self.device, codec_stream, copy_stream)
+                    if staging.free[i] is not None:  # the dequantize that last read the slot
+                        copy_stream.wait_event(staging.free[i])
+                    slot.copy_(packed, non_blocking=True)
+                    # the codec stream follows the copy stream, which waited for ``stream``
+                    # (4.1(e): the reload buffer's block) and for the D2H (``waits``)
+                    codec_stream.wait_event(copy_stream.record_event())
+                    with torch.cuda.stream(codec_stream):
+                        _compress.dequantize_into(slot, part)
+                        staging.free[i] = codec_stream.record_event()
             done = copy_stream
             if codec_stream is not None:  # the reload event covers both streams' work
                 codec_stream.wait_stream(copy_stream)
