@@ -6,6 +6,7 @@ created until the first forward that offloads something.
 
 from offload import integrations, main_grad, nn
 from offload._checkpoint import CheckpointOffloader, CheckpointStats, checkpoint, checkpoint_stats
+from offload._planner import LEVERS, Plan, PlanCosts, plan
 from offload._profile import MemoryProfile, profile_step
 from offload.activations import (
     ActivationOffloader,
@@ -46,4 +47,9 @@ __all__ = [
     # profiling: measure the savings on your own model
     "profile_step",
     "MemoryProfile",
+    # planning: a lever per layer (offload, recompute) for a memory budget
+    "plan",
+    "Plan",
+    "PlanCosts",
+    "LEVERS",
 ]

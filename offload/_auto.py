@@ -72,6 +72,7 @@ class AutoDecision:
     h2d_gbps: float
     costs: list[LayerCost]
     reason: str
+    gap_s: float = 0.0  # device seconds between the last layer's forward and its backward
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,6 +185,7 @@ def choose(
         h2d_gbps=h2d_bps / 1e9,
         costs=list(costs),
         reason=reason,
+        gap_s=gap_s,
     )
 
 

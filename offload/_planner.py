@@ -1,0 +1,876 @@
+"""The planner: meet an activation-memory budget at the least predicted step time by
+choosing one lever per layer.
+
+Levers (:data:`LEVERS`):
+
+* ``"keep"``: nothing; the layer's saved activations stay on the device.
+* ``"offload"``: :class:`offload.ActivationOffloader` copies them to host memory
+  (compressed with ``compress="fp8"`` when the plan is made with it).
+* ``"selective"``: selective recompute (``torch.utils.checkpoint`` with a policy from
+  ``create_selective_checkpoint_contexts``): the outputs of matrix products and
+  attention are kept, everything else (norms, activations, the gated product, casts)
+  is recomputed in backward.
+* ``"checkpoint"``: full recompute; only the layer's inputs are kept.
+
+The cost model, measured on the user's own step (:func:`plan`), is deliberately small so
+that every prediction can be explained:
+
+* **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured by
+  a forward with nothing offloaded). Between its forward and its backward it keeps
+  ``resident_i``: ``S_i`` (keep), 0 (offload), ``rho_sel * S_i`` (selective),
+  ``rho_ckpt * S_i`` (checkpoint). During its backward it holds all ``S_i`` again
+  (kept, reloaded or recomputed), plus a prefetched group ``P`` when offloaded, while
+  the layers before it still hold their residents, on top of a backward workspace
+  ``W``. The activation peak is the largest of the forward's end (the sum of residents)
+  and every layer's backward. ``W`` comes from the step without levers; ``rho_sel``,
+  ``rho_ckpt`` and ``P`` are fitted to steps with each lever on every layer. Every
+  prediction is anchored on the measured peak without levers.
+* **Time.** Recompute adds to a layer's backward the measured extra time of its lever
+  (the lever-on-every-layer step minus the plain step, shared out in proportion to the
+  layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
+  schedule (one copy stream per direction, overlapping the compute beside it, the
+  release and reload points of ``# Note [release order]``). Predictions are anchored on
+  the measured step without levers.
+
+The search (:func:`optimize`) considers the plans of the form "the first ``k`` layers
+offloaded, the next ``c`` checkpointed, the next ``s`` selective, the rest kept": the
+offloaded layers come first (the release rule keeps the last ``L - k`` groups resident,
+so early layers hide their copies best), and the recompute levers are ordered by what
+they keep (least first), which minimises every backward's peak for layers of equal
+size. For each ``k`` and ``c`` it takes the fewest selective layers that fit, so it
+evaluates O(L^2) plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from offload import _auto
+
+__all__ = ["LEVERS", "Plan", "PlanCosts", "optimize", "plan"]
+
+#: The levers, in the order the search assigns them to layers.
+LEVERS = ("keep", "offload", "selective", "checkpoint")
+
+_SHORT = {"keep": "keep", "offload": "offload", "selective": "sel", "checkpoint": "ckpt"}
+
+
+def _check_levers(levers: Sequence[str], name: str) -> tuple[str, ...]:
+    if isinstance(levers, str) or not isinstance(levers, Sequence):
+        raise TypeError(f"{name} must be a sequence of lever names; got {levers!r}")
+    bad = [x for x in levers if x not in LEVERS]
+    if bad:
+        raise ValueError(f"{name}: unknown lever(s) {bad}; accepted: {', '.join(LEVERS)}")
+    return tuple(levers)
+
+
+# --------------------------------------------------------------------------------------
+# the cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCosts:
+    """What one step costs per layer, as :func:`plan` measured it (or as a test sets it).
+
+    Args:
+        forward_s: device seconds of each layer's forward.
+        backward_s: device seconds of each layer's backward.
+        saved_bytes: ``S_i``, the bytes each layer saves for backward (what offloading it
+            frees).
+        link_bytes: bytes offloading each layer sends each way (``saved_bytes`` times the
+            compression ratio with ``compress="fp8"``). Default: ``saved_bytes``.
+        selective_kept: ``rho_sel``, the fraction of ``S_i`` a selective layer keeps.
+        checkpoint_kept: ``rho_ckpt``, the fraction a checkpointed layer keeps.
+        selective_s: extra backward seconds of each layer under selective recompute.
+        checkpoint_s: extra backward seconds of each layer under full recompute.
+        workspace_bytes: ``W``, backward memory beyond the saved activations.
+        prefetch_bytes: ``P``, extra memory while an offloaded layer's backward runs
+            (the next group reloading).
+        d2h_bps, h2d_bps: host link bytes per second each way.
+        gap_s: device seconds between the last layer's forward and its backward.
+        step_s: measured seconds of the step without levers (predictions are anchored
+            on it). Default: the model's own estimate.
+        activation_bytes: measured activation peak without levers (the anchor of the
+            memory predictions and what a fractional budget refers to). Default: the
+            model's own estimate.
+
+    Raises:
+        ValueError: lists of different lengths, no layer, a negative number, or a
+            fraction outside ``[0, 1]``.
+    """
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+    selective_kept: float
+    checkpoint_kept: float
+    selective_s: tuple[float, ...]
+    checkpoint_s: tuple[float, ...]
+    d2h_bps: float
+    h2d_bps: float
+    link_bytes: tuple[int, ...] | None = None
+    workspace_bytes: int = 0
+    prefetch_bytes: int = 0
+    gap_s: float = 0.0
+    step_s: float | None = None
+    activation_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        names = ("forward_s", "backward_s", "saved_bytes", "selective_s", "checkpoint_s")
+        for name in (*names, "link_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        n = len(self.forward_s)
+        if n == 0:
+            raise ValueError("PlanCosts needs at least one layer (forward_s is empty)")
+        for name in (*names, "link_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != n:
+                raise ValueError(f"PlanCosts.{name} has {len(value)} entries, forward_s has {n}")
+            if any(v < 0 for v in value):
+                raise ValueError(f"PlanCosts.{name} has a negative entry: {list(value)}")
+        for name in ("selective_kept", "checkpoint_kept"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be in [0, 1]")
+        for name in ("d2h_bps", "h2d_bps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be > 0")
+        for name in ("workspace_bytes", "prefetch_bytes", "gap_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be >= 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_s)
+
+    def _link(self) -> tuple[int, ...]:
+        return self.link_bytes if self.link_bytes is not None else self.saved_bytes
+
+    # ---- memory ----------------------------------------------------------------------
+
+    def resident(self, i: int, lever: str) -> float:
+        """Bytes layer ``i`` keeps between its forward and its backward under ``lever``."""
+        s = self.saved_bytes[i]
+        if lever == "keep":
+            return s
+        if lever == "offload":
+            return 0.0
+        if lever == "selective":
+            return self.selective_kept * s
+        return self.checkpoint_kept * s
+
+    def raw_memory(self, levers: Sequence[str]) -> float:
+        """The model's activation peak for ``levers`` (not anchored)."""
+        peak = total = 0.0
+        for i, lever in enumerate(levers):
+            extra = self.prefetch_bytes if lever == "offload" else 0.0
+            peak = max(peak, total + self.saved_bytes[i] + extra + self.workspace_bytes)
+            total += self.resident(i, lever)
+        return max(peak, total)
+
+    def memory(self, levers: Sequence[str]) -> float:
+        """Predicted activation peak in bytes, anchored on the measured one."""
+        raw = self.raw_memory(levers)
+        if self.activation_bytes is None:
+            return raw
+        return self.activation_bytes + raw - self.raw_memory(["keep"] * self.num_layers)
+
+    # ---- time ------------------------------------------------------------------------
+
+    def _layer_costs(self, levers: Sequence[str]) -> list[_auto.LayerCost]:
+        link = self._link()
+        out = []
+        for i, lever in enumerate(levers):
+            extra = 0.0
+            if lever == "selective":
+                extra = self.selective_s[i]
+            elif lever == "checkpoint":
+                extra = self.checkpoint_s[i]
+            out.append(
+                _auto.LayerCost(
+                    self.forward_s[i],
+                    self.backward_s[i] + extra,
+                    link[i] if lever == "offload" else 0,
+                )
+            )
+        return out
+
+    def raw_seconds(self, levers: Sequence[str]) -> float:
+        offloaded = [i for i, lever in enumerate(levers) if lever == "offload"]
+        return _auto.predict_step(
+            self._layer_costs(levers), offloaded, self.d2h_bps, self.h2d_bps, None, self.gap_s
+        )
+
+    def seconds(self, levers: Sequence[str]) -> float:
+        """Predicted step seconds, anchored on the measured step without levers."""
+        raw = self.raw_seconds(levers)
+        if self.step_s is None:
+            return raw
+        return self.step_s + raw - self.raw_seconds(["keep"] * self.num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlanCosts:
+        return cls(**data)
+
+
+def _family(L: int, k: int, c: int, s: int) -> list[str]:
+    return ["offload"] * k + ["checkpoint"] * c + ["selective"] * s + ["keep"] * (L - k - c - s)
+
+
+def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS) -> list[str]:
+    """The lever of each layer that meets ``budget_bytes`` at the least predicted time.
+
+    Args:
+        costs: the cost model (:class:`PlanCosts`).
+        budget_bytes: the largest predicted activation peak allowed, in bytes.
+        levers: the levers the search may use (``"keep"`` is always allowed).
+            Default: all of :data:`LEVERS`.
+
+    Returns:
+        One lever name per layer.
+
+    Raises:
+        ValueError: no plan of the searched form fits; the message gives the smallest
+            budget that does and the plan that reaches it.
+    """
+    allowed = set(_check_levers(levers, "levers")) | {"keep"}
+    L = costs.num_layers
+    ks = range(L) if "offload" in allowed else [0]  # the last layer is never offloaded
+    best: tuple[float, list[str]] | None = None
+    smallest: tuple[float, list[str]] | None = None
+    for k in ks:
+        cs = range(L - k + 1) if "checkpoint" in allowed else [0]
+        for c in cs:
+            top = L - k - c if "selective" in allowed else 0
+            # memory does not grow as layers go from kept to selective: take the first
+            # count that fits (binary search), the cheapest of this (k, c)
+            lo, hi = 0, top
+            if costs.memory(_family(L, k, c, hi)) > budget_bytes:
+                candidate = _family(L, k, c, hi)
+                mem = costs.memory(candidate)
+                if smallest is None or mem < smallest[0]:
+                    smallest = (mem, candidate)
+                continue
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if costs.memory(_family(L, k, c, mid)) <= budget_bytes:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            candidate = _family(L, k, c, lo)
+            t = costs.seconds(candidate)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, candidate)
+    if best is None:
+        assert smallest is not None
+        raise ValueError(
+            f"budget={budget_bytes / 2**30:.3f} GiB is below the smallest feasible "
+            f"activation peak, {smallest[0] / 2**30:.3f} GiB (levers "
+            f"{_summary(smallest[1])}); raise the budget or allow more levers"
+        )
+    return best[1]
+
+
+def _summary(levers: Sequence[str]) -> str:
+    counts = {name: sum(1 for x in levers if x == name) for name in LEVERS}
+    return ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+
+
+# --------------------------------------------------------------------------------------
+# recompute levers: a wrapped forward per layer
+
+
+def _save_ops() -> frozenset[Any]:
+    """The aten ops whose outputs selective recompute keeps: matrix products and
+    attention (everything else is recomputed)."""
+    aten = torch.ops.aten
+    names = [
+        ("mm", "default"),
+        ("addmm", "default"),
+        ("bmm", "default"),
+        ("baddbmm", "default"),
+        ("_scaled_mm", "default"),
+        ("convolution", "default"),
+        ("_scaled_dot_product_flash_attention", "default"),
+        ("_scaled_dot_product_efficient_attention", "default"),
+        ("_scaled_dot_product_cudnn_attention", "default"),
+        ("_scaled_dot_product_flash_attention_for_cpu", "default"),
+        ("_flash_attention_forward", "default"),
+        ("_efficient_attention_forward", "default"),
+    ]
+    ops = []
+    for name, overload in names:
+        packet = getattr(aten, name, None)
+        op = getattr(packet, overload, None) if packet is not None else None
+        if op is not None:
+            ops.append(op)
+    return frozenset(ops)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective recompute's policy: keep the outputs of :func:`_save_ops`, recompute
+    the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVE = _save_ops()
+
+
+def _selective_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(
+        lambda *args, **kwargs: _selective_policy(*args, **kwargs)
+    )
+
+
+class _Recompute:
+    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant), full or
+    selective; installed as the module's instance attribute ``forward`` and removed by
+    :meth:`remove` (which restores what was there before)."""
+
+    def __init__(self, module: torch.nn.Module, lever: str) -> None:
+        self.module = module
+        self.lever = lever
+        self.had_attr = "forward" in module.__dict__
+        self.previous = module.__dict__.get("forward")
+        self.inner = module.forward
+        module.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        extra: dict[str, Any] = {}
+        if self.lever == "selective":
+            extra["context_fn"] = _selective_context
+        return checkpoint(self.inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is self:
+            if self.had_attr:
+                self.module.forward = self.previous  # type: ignore[method-assign]
+            else:
+                del self.module.forward
+
+
+# --------------------------------------------------------------------------------------
+# the plan
+
+
+class Plan:
+    """One lever per layer, with what the planner predicted for it.
+
+    Made by :func:`plan` (measured) or :meth:`from_levers` (chosen by hand). Nothing
+    changes on the layers until :meth:`apply`; :meth:`remove` undoes it exactly.
+
+    Args:
+        layers: the layers, in call order (each called once per forward).
+        levers: one of :data:`LEVERS` per layer; the last layer cannot be ``"offload"``.
+        costs: the :class:`PlanCosts` the plan was chosen with, or ``None``.
+        budget_bytes: the budget it was chosen for, or ``None``.
+        compress: ``compress`` of the offloader (``None`` or ``"fp8"``).
+        min_tensor_bytes: ``min_tensor_bytes`` of the offloader. Default ``256 * 1024``.
+        measured: what :func:`plan` measured (per configuration: step seconds and
+            activation peak), for the report.
+
+    Raises:
+        TypeError: ``levers`` is not a sequence of names.
+        ValueError: wrong number of levers, an unknown lever, the last layer offloaded.
+
+    Example:
+        >>> import torch, offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> p = offload.Plan(layers, ["checkpoint", "selective", "keep"])
+        >>> p.apply(); y = layers[2](layers[1](layers[0](torch.randn(2, 8))))
+        >>> p.remove()
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.nn.Module],
+        levers: Sequence[str],
+        *,
+        costs: PlanCosts | None = None,
+        budget_bytes: float | None = None,
+        compress: str | None = None,
+        min_tensor_bytes: int = 256 * 1024,
+        measured: dict[str, Any] | None = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.levers = list(_check_levers(levers, "levers"))
+        if len(self.levers) != len(self.layers):
+            raise ValueError(
+                f"levers has {len(self.levers)} entries for {len(self.layers)} layers; give one "
+                f"per layer"
+            )
+        if self.levers and self.levers[-1] == "offload":
+            raise ValueError(
+                "levers: the last layer cannot be 'offload' (its backward starts as soon as "
+                "its forward ends: nothing to hide the copy behind); use 'keep' or a "
+                "recompute lever"
+            )
+        self.costs = costs
+        self.budget_bytes = budget_bytes
+        self.compress = compress
+        self.min_tensor_bytes = min_tensor_bytes
+        self.measured = measured or {}
+        self._wrappers: list[_Recompute] = []
+        self._offloader: Any = None
+        self._handle: Any = None
+
+    @classmethod
+    def from_levers(
+        cls, layers: Sequence[torch.nn.Module], levers: Sequence[str], **kw: Any
+    ) -> Plan:
+        """A plan chosen by hand (same arguments as the constructor)."""
+        return cls(layers, levers, **kw)
+
+    # ---- predictions -----------------------------------------------------------------
+
+    @property
+    def predicted_seconds(self) -> float | None:
+        return None if self.costs is None else self.costs.seconds(self.levers)
+
+    @property
+    def predicted_bytes(self) -> float | None:
+        return None if self.costs is None else self.costs.memory(self.levers)
+
+    # ---- apply / remove --------------------------------------------------------------
+
+    @property
+    def offloader(self) -> Any:
+        """The :class:`~offload.ActivationOffloader` of the offloaded layers (made by
+        :meth:`apply`), or ``None`` when no layer is offloaded or before ``apply``."""
+        return self._offloader
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._wrappers) or self._offloader is not None
+
+    def apply(self, model: torch.nn.Module | None = None) -> Plan:
+        """Install the levers: recompute wrappers on their layers and, when layers are
+        offloaded, an :class:`~offload.ActivationOffloader` over them, entered around
+        every forward of ``model`` (:meth:`~offload.ActivationOffloader.attach`) or, with
+        ``model=None``, by ``with plan:`` around the forward.
+
+        Args:
+            model: the module whose forward runs the layers. Default ``None``.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the plan is applied already.
+        """
+        from offload.activations import ActivationOffloader
+
+        if self.applied:
+            raise RuntimeError("this plan is applied already; call remove() first")
+        try:
+            for layer, lever in zip(self.layers, self.levers):
+                if lever in ("selective", "checkpoint"):
+                    self._wrappers.append(_Recompute(layer, lever))
+            offloaded = [i for i, lever in enumerate(self.levers) if lever == "offload"]
+            if offloaded:
+                self._offloader = ActivationOffloader(
+                    self.layers,
+                    offload_layers=offloaded,
+                    compress=self.compress,
+                    min_tensor_bytes=self.min_tensor_bytes,
+                )
+                if model is not None:
+                    self._handle = self._offloader.attach(model)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Undo :meth:`apply`: the layers' forwards are what they were, the offloader
+        is closed (its host memory freed). Idempotent."""
+        for wrapper in reversed(self._wrappers):
+            wrapper.remove()
+        self._wrappers.clear()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._offloader is not None:
+            self._offloader.close()
+            self._offloader = None
+
+    def __enter__(self) -> Plan:
+        if self._offloader is not None and self._handle is None:
+            self._offloader.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._offloader is not None and self._handle is None:
+            self._offloader.__exit__(*exc)
+
+    # ---- report ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description: levers, predictions, budget, costs, measurements."""
+        return {
+            "levers": list(self.levers),
+            "predicted_seconds": self.predicted_seconds,
+            "predicted_bytes": self.predicted_bytes,
+            "budget_bytes": self.budget_bytes,
+            "compress": self.compress,
+            "costs": None if self.costs is None else self.costs.to_dict(),
+            "measured": self.measured,
+        }
+
+    def table(self) -> Any:
+        """A :class:`rich.table.Table`: one row per layer (lever, bytes kept between
+        forward and backward, bytes sent each way, added backward ms) and a total row."""
+        from rich.table import Table
+
+        from offload.profiling import format_bytes
+
+        table = Table(title="offload plan", title_justify="left")
+        for name in ("layer", "lever", "kept", "link", "+ms"):
+            table.add_column(name, justify="left" if name == "lever" else "right")
+        c = self.costs
+        kept_total = link_total = extra_total = 0.0
+        for i, lever in enumerate(self.levers):
+            if c is None:
+                table.add_row(str(i), lever, "-", "-", "-")
+                continue
+            kept = c.resident(i, lever)
+            link = c._link()[i] if lever == "offload" else 0
+            extra = {"selective": c.selective_s[i], "checkpoint": c.checkpoint_s[i]}.get(lever, 0.0)
+            kept_total += kept
+            link_total += link
+            extra_total += extra
+            table.add_row(
+                str(i),
+                lever,
+                format_bytes(kept),
+                format_bytes(link) if link else "-",
+                f"{extra * 1e3:.2f}" if extra else "-",
+            )
+        if c is not None:
+            table.add_row(
+                "all",
+                _summary(self.levers),
+                format_bytes(kept_total),
+                format_bytes(link_total),
+                f"{extra_total * 1e3:.2f}",
+                style="bold",
+            )
+        return table
+
+    def summary(self) -> str:
+        """Predicted time and peak against the step without levers and the budget."""
+        from offload.profiling import format_bytes
+
+        c = self.costs
+        if c is None:
+            return f"plan: {_summary(self.levers)} (chosen by hand: no predictions)"
+        t, m = self.predicted_seconds, self.predicted_bytes
+        base_t = c.step_s if c.step_s is not None else c.raw_seconds(["keep"] * c.num_layers)
+        base_m = c.memory(["keep"] * c.num_layers)
+        budget = "" if self.budget_bytes is None else f" (budget {format_bytes(self.budget_bytes)})"
+        return (
+            f"plan: {_summary(self.levers)}; predicted step {t * 1e3:.1f} ms "  # type: ignore[operator]
+            f"({t / base_t:.3f}x the step without levers, {base_t * 1e3:.1f} ms); predicted "  # type: ignore[operator]
+            f"activation peak {format_bytes(m)} of {format_bytes(base_m)} without levers{budget}"  # type: ignore[arg-type]
+        )
+
+    def report(self, console: Any = None) -> None:
+        """Print the table, the measured configurations (when measured) and the summary."""
+        from rich.console import Console
+
+        from offload.profiling import format_bytes
+
+        console = console or Console()
+        console.print(self.table())
+        rows = self.measured.get("configs")
+        if rows:
+            base = rows.get("none", {}).get("seconds")
+            parts = []
+            for name, row in rows.items():
+                ratio = f" {row['seconds'] / base:.2f}x" if base else ""
+                parts.append(f"{name}{ratio} {format_bytes(row['peak_bytes'])}")
+            console.print("measured, every layer: " + "; ".join(parts), style="dim")
+        console.print(self.summary())
+
+    def __repr__(self) -> str:
+        return f"Plan({_summary(self.levers)})"
+
+
+# --------------------------------------------------------------------------------------
+# measuring
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _run(step_fn: Callable[[], Any], steps: int, warmup: int) -> dict[str, float]:
+    """Median step seconds (CUDA events) and the largest activation peak: allocated
+    during the step above what was allocated before it (weights, gradients)."""
+    times, peaks = [], []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step_fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+    return {"seconds": _median(times), "peak_bytes": float(max(peaks))}
+
+
+def _fit(f: Callable[[float], float], target: float, hi: float) -> float:
+    """The ``x`` in ``[0, hi]`` with ``f(x)`` closest to ``target`` (``f`` grows)."""
+    lo = 0.0
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _budget_bytes(budget: Any, activation_bytes: float) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget must be bytes (an int) or a fraction of the activation peak without "
+            f"levers (a float in (0, 1]); got {type(budget).__name__} {budget!r}"
+        )
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"budget={budget}: a float is a fraction of the activation peak without "
+                f"levers and must be in (0, 1]; pass bytes as an int"
+            )
+        return budget * activation_bytes
+    if budget <= 0:
+        raise ValueError(f"budget={budget}: bytes must be > 0")
+    return float(budget)
+
+
+def plan(
+    step_fn: Callable[[], Any],
+    layers: Sequence[torch.nn.Module],
+    *,
+    budget: int | float,
+    model: torch.nn.Module | None = None,
+    levers: Sequence[str] = LEVERS,
+    compress: str | None = None,
+    min_tensor_bytes: int = 256 * 1024,
+    steps: int = 3,
+    warmup: int = 1,
+) -> Plan:
+    """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
+    least predicted step time (the model and the search: ``offload/_planner.py``).
+
+    ``step_fn()`` runs one forward and backward of the model (no optimizer step, no
+    offload context: the planner installs what it measures). It runs ``warmup + steps``
+    times in each of these configurations, on the same model and state: nothing; an
+    offloader with ``offload_layers="auto"`` (two forwards: its measuring forward gives
+    each layer's forward and backward time and saved bytes, and the link bandwidth);
+    every layer but the last offloaded; every layer selective; every layer checkpointed
+    (levers not allowed are skipped). Gradients accumulate across these steps.
+
+    Args:
+        step_fn: ``callable()``: forward and backward.
+        layers: the repeated blocks, in call order, each called once per forward.
+        budget: the activation peak allowed: bytes (``int``) or a fraction of the
+            measured peak without levers (``float`` in ``(0, 1]``). "Activation peak":
+            the most memory allocated during a step above what was allocated before it.
+        model: the module whose forward runs ``layers`` (required: the measuring
+            offloaders are entered around its forward).
+        levers: the levers the plan may use. Default: all of :data:`LEVERS`.
+        compress: ``None`` (default) or ``"fp8"``: offloaded layers travel compressed
+            (lossy, see :class:`~offload.ActivationOffloader`).
+        min_tensor_bytes: of the offloader. Default ``256 * 1024``.
+        steps: measured steps per configuration (>= 1). Default ``3``.
+        warmup: unmeasured steps before them (>= 0). Default ``1``.
+
+    Returns:
+        A :class:`Plan`, not applied (call :meth:`Plan.apply`).
+
+    Raises:
+        TypeError: a wrong type (``step_fn`` not callable, ``budget`` not a number).
+        ValueError: a bad value; no ``model``; a budget no plan meets (the message
+            gives the smallest that one does).
+        RuntimeError: no CUDA device (the planner measures device time and memory).
+
+    Example::
+
+        p = offload.plan(step, model.layers, budget=0.5, model=model)
+        p.report()
+        p.apply(model)      # then train as usual; p.remove() undoes it
+    """
+    from offload.activations import ActivationOffloader
+
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable; got {type(step_fn).__name__}")
+    allowed = _check_levers(levers, "levers")
+    layers = list(layers)
+    if len(layers) < 1:
+        raise ValueError("layers is empty")
+    if model is None or not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            "model must be the nn.Module whose forward calls the layers (the planner "
+            "enters its measuring offloaders around that forward); got "
+            f"{type(model).__name__}"
+        )
+    for name, value, minimum in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name}={value}: must be >= {minimum}")
+    if inspect.signature(step_fn).parameters and not all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in inspect.signature(step_fn).parameters.values()
+    ):
+        raise TypeError("step_fn must be callable with no arguments")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "offload.plan measures device time and memory and needs a CUDA device; on a "
+            "machine without one, build a Plan by hand (offload.Plan(layers, levers))"
+        )
+    L = len(layers)
+    configs: dict[str, dict[str, float]] = {}
+    configs["none"] = _run(step_fn, steps, warmup)
+
+    # per-layer costs and the link: the measuring forward of "auto" (uncompressed bytes)
+    probe = ActivationOffloader(layers, offload_layers="auto", min_tensor_bytes=min_tensor_bytes)
+    handle = probe.attach(model)
+    try:
+        _run(step_fn, 1, 1)
+        auto = probe.stats.auto or {}
+    finally:
+        handle.remove()
+        probe.close()
+    if "costs" not in auto:
+        raise RuntimeError(
+            f"the measuring forward did not produce layer costs ({auto.get('reason')!r}); "
+            f"does step_fn call model's forward once per step?"
+        )
+    lc = auto["costs"]
+    if len(lc) != L:
+        raise RuntimeError(
+            f"the measuring forward saw {len(lc)} layer calls for {L} layers: each layer "
+            f"must be called once per forward"
+        )
+    fwd = [float(c["forward_s"]) for c in lc]
+    bwd = [float(c["backward_s"]) for c in lc]
+    saved = [int(c["nbytes"]) for c in lc]
+    d2h, h2d = auto["d2h_gbps"] * 1e9, auto["h2d_gbps"] * 1e9
+    gap = float(auto.get("gap_s", 0.0))
+    base_s, base_m = configs["none"]["seconds"], configs["none"]["peak_bytes"]
+    total_f = sum(fwd) or 1.0
+
+    def shares(extra_s: float) -> tuple[float, ...]:
+        return tuple(max(0.0, extra_s) * f / total_f for f in fwd)
+
+    link = list(saved)
+    if "offload" in allowed and L > 1:
+        off = ActivationOffloader(
+            layers, offload_layers="all", compress=compress, min_tensor_bytes=min_tensor_bytes
+        )
+        handle = off.attach(model)  # type: ignore[arg-type]
+        try:
+            configs["offload"] = _run(step_fn, steps, warmup)
+            sent = off.stats.bytes_offloaded
+        finally:
+            handle.remove()
+            off.close()
+        moved = sum(saved[: L - 1])
+        if moved and compress is not None:
+            ratio = sent / moved
+            link = [int(s * ratio) for s in saved]
+    for lever in ("selective", "checkpoint"):
+        if lever in allowed:
+            wrappers = [_Recompute(layer, lever) for layer in layers]
+            try:
+                configs[lever] = _run(step_fn, steps, warmup)
+            finally:
+                for w in reversed(wrappers):
+                    w.remove()
+
+    workspace = max(0.0, base_m - sum(saved))
+
+    def model_costs(**kw: Any) -> PlanCosts:
+        fields: dict[str, Any] = dict(
+            forward_s=fwd,
+            backward_s=bwd,
+            saved_bytes=saved,
+            link_bytes=link,
+            selective_kept=1.0,
+            checkpoint_kept=1.0,
+            selective_s=shares(configs.get("selective", {}).get("seconds", base_s) - base_s),
+            checkpoint_s=shares(configs.get("checkpoint", {}).get("seconds", base_s) - base_s),
+            d2h_bps=d2h,
+            h2d_bps=h2d,
+            workspace_bytes=int(workspace),
+            gap_s=gap,
+            step_s=base_s,
+            activation_bytes=int(base_m),
+        )
+        fields.update(kw)
+        return PlanCosts(**fields)
+
+    fitted: dict[str, Any] = {}
+    for lever, name in (("selective", "selective_kept"), ("checkpoint", "checkpoint_kept")):
+        if lever in configs:
+            target = configs[lever]["peak_bytes"]
+            fitted[name] = _fit(
+                lambda x, n=name, lv=lever: model_costs(**{**fitted, n: x}).memory([lv] * L),
+                target,
+                1.0,
+            )
+    if "offload" in configs:
+        target = configs["offload"]["peak_bytes"]
+        levers_all = ["offload"] * (L - 1) + ["keep"]
+        fitted["prefetch_bytes"] = int(
+            _fit(
+                lambda x: model_costs(**{**fitted, "prefetch_bytes": int(x)}).memory(levers_all),
+                target,
+                float(max(saved) * 4 + 1),
+            )
+        )
+    costs = model_costs(**fitted)
+    limit = _budget_bytes(budget, base_m)
+    chosen = optimize(costs, limit, allowed)
+    return Plan(
+        layers,
+        chosen,
+        costs=costs,
+        budget_bytes=limit,
+        compress=compress,
+        min_tensor_bytes=min_tensor_bytes,
+        measured={"configs": configs, "fitted": fitted},
+    )
