@@ -1,9 +1,12 @@
-"""The ``offload`` command line: ``offload profile`` (also ``python -m offload profile``).
+"""The ``offload`` command line: ``offload profile`` and ``offload plan`` (also
+``python -m offload profile|plan``).
 
 ``offload profile`` builds a model with random weights (the built-in Llama-style
 reference stack, or any Hugging Face causal LM from a ``config.json``), runs
 :func:`offload.profile_step` on it and prints the report; ``--json`` and ``--plot`` save
-the profile and its timeline.
+the profile and its timeline. ``offload plan --budget 0.5`` measures the same kind of
+model (CUDA) and prints the lever per layer (:func:`offload.plan`) that meets the budget;
+``--measure`` applies the plan and measures it.
 """
 
 from __future__ import annotations
@@ -41,24 +44,7 @@ class CliError(Exception):
     """A bad flag: the message names it and what it accepts."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``offload`` command."""
-    parser = argparse.ArgumentParser(
-        prog="offload",
-        description="Activation offloading to pinned host memory for PyTorch training.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser(
-        "profile",
-        help="measure memory saved and time spent by offloading on a model",
-        description=(
-            "Run forward + backward of a model without and with activation offloading "
-            "and report the memory saved, the step time, copy times and stalls per "
-            "layer. Model: the built-in Llama-style reference stack (sizes from the "
-            "flags below; defaults sized for the device) or --hf-config. Weights are "
-            "random; nothing is downloaded."
-        ),
-    )
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument(
         "--hf-config",
@@ -90,6 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(_DTYPES),
         help=("parameter and activation dtype; default float32 on CPU, bfloat16 on CUDA"),
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``offload`` command."""
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description="Activation offloading to pinned host memory for PyTorch training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "profile",
+        help="measure memory saved and time spent by offloading on a model",
+        description=(
+            "Run forward + backward of a model without and with activation offloading "
+            "and report the memory saved, the step time, copy times and stalls per "
+            "layer. Model: the built-in Llama-style reference stack (sizes from the "
+            "flags below; defaults sized for the device) or --hf-config. Weights are "
+            "random; nothing is downloaded."
+        ),
+    )
+    _add_model_arguments(p)
     run = p.add_argument_group("run")
     run.add_argument("--device", help="cpu, cuda or cuda:N; default cuda when available, else cpu")
     run.add_argument(
@@ -117,7 +124,160 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=('write the timeline as a PNG (needs matplotlib: pip install "offload[plot]")'),
     )
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose offload / recompute per layer for an activation-memory budget",
+        description=(
+            "Measure a model's step (CUDA) without levers and with each lever on every "
+            "layer, then choose per layer keep, offload, selective recompute or "
+            "checkpoint to meet --budget at the least predicted step time, and print the "
+            "plan. --measure also applies it and measures it. Model: as for "
+            "'offload profile'."
+        ),
+    )
+    _add_model_arguments(p)
+    run = p.add_argument_group("plan")
+    run.add_argument(
+        "--budget",
+        required=True,
+        help=(
+            "activation peak allowed: a fraction in (0, 1] of the peak without levers "
+            "(0.5), or bytes with an optional unit (12GiB, 800MiB)"
+        ),
+    )
+    run.add_argument(
+        "--levers",
+        default=",".join(_LEVERS),
+        help=f"comma list of the levers the plan may use; default {','.join(_LEVERS)}",
+    )
+    run.add_argument(
+        "--compress", choices=["fp8"], help="offloaded layers travel compressed (lossy)"
+    )
+    run.add_argument("--device", help="cuda or cuda:N; default cuda")
+    run.add_argument(
+        "--min-tensor-bytes", type=int, default=256 * 1024, help="of the offloader; default 262144"
+    )
+    run.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
+    run.add_argument("--warmup", type=int, default=1, help="warm-up steps per configuration")
+    run.add_argument(
+        "--measure",
+        action="store_true",
+        help="apply the plan and measure its step time and peak against the prediction",
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the plan (and measurement) as JSON")
+
+
+_LEVERS = ("keep", "offload", "selective", "checkpoint")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def _budget(text: str) -> int | float:
+    """``--budget``: a fraction (float in (0, 1]) or bytes with an optional unit."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise CliError(
+            f"--budget {text!r}: give a fraction in (0, 1] (0.5) or bytes with a unit "
+            f"among {', '.join(u for u in _UNITS if u)} (12GiB)"
+        )
+    number, unit = match.groups()
+    if not unit and "." in number:
+        value = float(number)
+        if not 0 < value <= 1:
+            raise CliError(f"--budget {text}: a fraction must be in (0, 1]")
+        return value
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import offload
+
+    for name, minimum in (
+        ("layers", 1),
+        ("hidden", 1),
+        ("heads", 1),
+        ("ffn", 1),
+        ("seq", 1),
+        ("batch", 1),
+        ("steps", 1),
+        ("warmup", 0),
+        ("min_tensor_bytes", 0),
+    ):
+        _positive(args, name, minimum)
+    budget = _budget(args.budget)
+    levers = [x.strip() for x in args.levers.split(",") if x.strip()]
+    bad = [x for x in levers if x not in _LEVERS]
+    if bad:
+        raise CliError(f"--levers: unknown {bad}; accepted: {','.join(_LEVERS)}")
+    device = _device(args.device or "cuda")
+    if device.type != "cuda":
+        raise CliError(
+            "offload plan measures device time and memory: it needs a CUDA device (--device cuda)"
+        )
+    dtype = _DTYPES[args.dtype or _DEFAULTS[device.type]["dtype"]]
+    build = _hugging_face if args.hf_config else _reference
+    model, layers, loss_fn, description = build(args, device, dtype)
+
+    def step() -> None:
+        loss_fn().backward()
+
+    console = Console()
+    console.print(f"offload plan: {description}, on {device}; measuring ...")
+    try:
+        chosen = offload.plan(
+            step,
+            layers,
+            budget=budget,
+            model=model,
+            levers=levers,
+            compress=args.compress,
+            min_tensor_bytes=args.min_tensor_bytes,
+            steps=args.steps,
+            warmup=args.warmup,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    chosen.report(console)
+    result = chosen.to_dict()
+    if args.measure:
+        from offload._planner import _run
+
+        chosen.apply(model)
+        try:
+            got = _run(step, max(args.steps, 5), max(args.warmup, 1))
+        finally:
+            chosen.remove()
+        t, m = chosen.predicted_seconds, chosen.predicted_bytes
+        console.print(
+            f"measured with the plan applied: step {got['seconds'] * 1e3:.1f} ms (predicted "
+            f"{t * 1e3:.1f}), activation peak {got['peak_bytes'] / 2**30:.2f} GiB (predicted "
+            f"{m / 2**30:.2f}, budget {chosen.budget_bytes / 2**30:.2f})"
+        )
+        result["measured_plan"] = got
+    if args.json:
+        target = Path(args.json)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"plan written to {target}")
+    return 0
 
 
 def _positive(args: argparse.Namespace, name: str, minimum: int = 1) -> None:
@@ -358,11 +518,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "profile":
+    commands = {"profile": _profile, "plan": _plan}
+    if args.command not in commands:
         parser.print_help()
         return 2
     try:
-        return _profile(args)
+        return commands[args.command](args)
     except CliError as exc:
-        print(f"offload profile: error: {exc}", file=sys.stderr)
+        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
         return 2

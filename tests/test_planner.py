@@ -311,3 +311,18 @@ def test_plan_needs_a_model_and_cuda() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             offload.plan(lambda: None, model.layers, budget=0.5, model=model)
+
+
+def test_cli_plan_flags(capsys) -> None:
+    from offload.cli import _budget, main
+
+    assert _budget("0.5") == 0.5 and _budget("12GiB") == 12 << 30 and _budget("800MiB") == 800 << 20
+    assert main(["plan", "--budget", "1.5", "--device", "cpu"]) == 2
+    assert "a fraction must be in (0, 1]" in capsys.readouterr().err
+    assert main(["plan", "--budget", "half"]) == 2
+    assert "--budget 'half'" in capsys.readouterr().err
+    assert main(["plan", "--budget", "0.5", "--levers", "keep,fast"]) == 2
+    assert "unknown ['fast']" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["plan", "--budget", "0.5", "--device", "cpu"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
