@@ -182,6 +182,12 @@ def test_weights_example() -> None:
     [
         ("quickstart.py", ["--steps", "2", "--device", "cpu"], ["step 0: loss", "step 1: loss"]),
         ("moe.py", [], ["step 0: loss"]),
+        (
+            "compress.py",
+            ["--steps", "2", "--device", "cpu"],
+            ["lowest cosine similarity", "step 1: loss exact", "ratio 0.2"],
+        ),
+        ("planner.py", ["--device", "cpu", "--steps", "2"], ["bitwise equal: True"]),
     ],
 )
 def test_other_examples_run(name: str, args: list[str], expected: list[str]) -> None:
