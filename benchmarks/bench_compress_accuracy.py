@@ -18,10 +18,11 @@ there is one, else cpu)::
 Without a ``compress`` keyword in ``offload.ActivationOffloader`` the script stops at
 once and says so. ``--parts ref`` or ``--parts gpt`` runs one part; ``--no-control``
 skips the second uncompressed GPT run; ``--steps``, ``--gpt-layers``, ``--data-mb``
-change part 2. ``--keep-fp32``: the compressed runs pass ``compress_filter=lambda t:
-t.dtype != torch.float32``, so fp32 tensors (SDPA's logsumexp, norm statistics, fp32
-activations under autocast) travel exactly and only the others as fp8; the label
-becomes ``compress='fp8' (fp32 exact)``.
+change part 2. By default (the library's default ``compress_filter``) fp32 tensors
+(SDPA's logsumexp, norm statistics, fp32 activations under autocast) travel exactly and
+only bf16/fp16 ones as fp8. ``--compress-fp32``: the compressed runs pass
+``compress_filter=lambda t: True``, so fp32 tensors are compressed too; the label
+becomes ``compress='fp8' (fp32 too)``.
 
 ``compress="fp8"`` quantizes every offloaded floating tensor to ``float8_e4m3fn`` with one
 fp32 scale per 128 consecutive elements before the device -> host copy and dequantizes
@@ -208,16 +209,16 @@ def compress_supported() -> bool:
     return "compress" in inspect.signature(offload.ActivationOffloader).parameters
 
 
-def not_fp32(tensor: torch.Tensor) -> bool:
-    """``compress_filter`` of ``--keep-fp32``: fp32 tensors travel exactly."""
-    return tensor.dtype != torch.float32
+def every_float(tensor: torch.Tensor) -> bool:
+    """``compress_filter`` of ``--compress-fp32``: every floating tensor, fp32 included."""
+    return True
 
 
 def make_offloader(
     layers: Sequence[nn.Module], compress: str | None, keep_fp32: bool, **kwargs: Any
 ) -> offload.ActivationOffloader:
     """``ActivationOffloader(layers, offload_layers="all", compress=compress, **kwargs)``,
-    with ``compress_filter=not_fp32`` when compressing with ``keep_fp32``.
+    with ``compress_filter=every_float`` when compressing with ``compress_fp32``.
 
     ``compress=None`` is passed explicitly when the keyword exists and left out when it
     does not (the library is then lossless anyway). A rejected ``compress`` exits with a
@@ -226,7 +227,7 @@ def make_offloader(
     if compress is not None or compress_supported():
         kwargs["compress"] = compress
     if compress is not None and keep_fp32:
-        kwargs["compress_filter"] = not_fp32
+        kwargs["compress_filter"] = every_float
     try:
         return offload.ActivationOffloader(layers, offload_layers="all", **kwargs)
     except (TypeError, ValueError) as exc:
@@ -368,7 +369,7 @@ def run_ref(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         offloader = (
             None
             if mode == "none"
-            else make_offloader(model.layers, compress, args.keep_fp32, **kwargs)
+            else make_offloader(model.layers, compress, args.compress_fp32, **kwargs)
         )
         warm = ref_step(model, x, offloader)
         if mode == "none":
@@ -683,7 +684,7 @@ def run_gpt(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     params: dict[str, dict[str, torch.Tensor]] = {}
     for name, compress in plan:
-        runs[name], params[name] = train(cfg, data, device, compress, args.keep_fp32, args.seed)
+        runs[name], params[name] = train(cfg, data, device, compress, args.compress_fp32, args.seed)
         print(
             f"  gpt: {name}: final train {final_train(runs[name]):.4f}, val "
             f"{runs[name]['val'][-1][1]:.4f}, {runs[name]['ms_per_step']:.1f} ms/step"
@@ -881,7 +882,7 @@ def print_report(result: dict[str, Any]) -> None:
     if settings["compress"] is None:
         label += " (dry run)"
     elif settings.get("keep_fp32"):
-        label += " (fp32 exact)"
+        label += " (fp32 too)"
     where = f"{env['gpu']} ({env['device']})" if "gpu" in env else env["device"]
     det = result["determinism"]
     console.print(
@@ -943,9 +944,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default strict)",
     )
     parser.add_argument(
-        "--keep-fp32",
+        "--compress-fp32",
         action="store_true",
-        help="compressed runs send fp32 tensors exactly (compress_filter: dtype != float32)",
+        help="compressed runs compress fp32 tensors too (compress_filter=lambda t: True; "
+        "by default they travel exactly)",
     )
     parser.add_argument(
         "--parts", default="ref,gpt", help="comma-separated among ref,gpt (default both)"
@@ -1091,7 +1093,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "command": [sys.executable, *sys.argv],
         "settings": {
             "compress": args.compress,
-            "keep_fp32": args.keep_fp32,
+            "keep_fp32": args.compress_fp32,
             "compress_keyword": compress_supported(),
             "parts": args.parts,
             "quick": args.quick,

@@ -8,12 +8,14 @@
 #   ref8l     benchmarks/bench_activations.py (ref-8L: k = 1, 2, 4, 7, auto, save_on_cpu)
 #   profile   python -m offload profile on ref-8L with k = 4 (JSON for the timeline PNG)
 #   auto      benchmarks/bench_auto.py (auto vs every k, ref-8L and an HF Llama ~1B)
+#   planner   benchmarks/bench_planner.py (offload.plan on ref-8L: its plans for 4 budgets vs every
+#             single-lever configuration, predicted and measured)
 #   weights   benchmarks/bench_weights.py and examples/weights.py
 #   ckpt      benchmarks/bench_checkpoint.py
 #   hostprof  benchmarks/hostprof.py (cProfile of tiny48 steps, k=0 and all)
 #   codec     benchmarks/bench_codec.py (fp8 quantize / dequantize GB/s, Triton vs eager)
 #   compress  benchmarks/bench_compress_accuracy.py (compress="fp8": gradient error on ref-8L,
-#             char-level GPT loss curves with and without) and its --keep-fp32 ref part
+#             char-level GPT loss curves with and without) and its --compress-fp32 ref part
 #   multigpu  benchmarks/bench_multigpu_memcpy.py (pinned memcpy, N concurrent copiers), then
 #             benchmarks/bench_multigpu.py under torchrun on every GPU (FSDP2 ref-8L, k = 0,
 #             2, 4, 7, bitwise check); for a machine with several GPUs, not in the default list
@@ -41,13 +43,15 @@ for part in $parts; do
     codec) timeout 120 python3 benchmarks/bench_codec.py --out "$OUT/bench_codec.json" 2>&1 | tail -20 ;;
     compress) timeout 300 python3 benchmarks/bench_compress_accuracy.py \
              --out "$OUT/bench_compress_accuracy.json" 2>&1 | tee "$OUT/bench_compress_accuracy.log" | tail -40
-             timeout 120 python3 benchmarks/bench_compress_accuracy.py --parts ref --keep-fp32 \
-             --out "$OUT/bench_compress_accuracy_keepfp32.json" 2>&1 | tail -25 ;;
+             timeout 120 python3 benchmarks/bench_compress_accuracy.py --parts ref --compress-fp32 \
+             --out "$OUT/bench_compress_accuracy_fp32too.json" 2>&1 | tail -25 ;;
     ref8l) timeout 300 python3 benchmarks/bench_activations.py --compress-ks ${COMPRESS_KS:-2,4,7} \
              --out "$OUT/bench_ref8l.json" 2>&1 | tail -16 ;;
     profile) OFFLOAD_PROFILE_JSON="$OUT/profile_cuda_test.json" timeout 200 python3 -m offload \
              profile --offload-layers 4 --steps 5 --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
     auto) timeout 300 python3 benchmarks/bench_auto.py --out "$OUT/bench_auto.json" 2>&1 | tail -30 ;;
+    planner) timeout 400 python3 benchmarks/bench_planner.py --out "$OUT/bench_planner.json" \
+             2>&1 | tee "$OUT/bench_planner.log" | tail -40 ;;
     hostprof) for sel in 0 all; do timeout 90 python3 benchmarks/hostprof.py \
              --offload-layers $sel --top 22 2>&1 | tee "$OUT/hostprof_$sel.log" | head -34; done ;;
     weights) timeout 240 python3 benchmarks/bench_weights.py --out "$OUT/bench_weights.json" 2>&1 \

@@ -4,9 +4,11 @@ Run:
     python examples/compress.py                 # CPU: a few seconds; the GPU when present
     python examples/compress.py --steps 20
 
-``compress="fp8"`` is lossy and opt-in: every floating tensor an offloaded layer saves
-travels as float8_e4m3fn with one fp32 scale per 128 elements (about half the link
-bytes and host memory of bf16, a quarter of fp32) and comes back dequantized. Two copies
+``compress="fp8"`` is lossy and opt-in: the bf16/fp16 tensors an offloaded layer saves
+travel as float8_e4m3fn with one fp32 scale per 128 elements (about half the link bytes
+and host memory) and come back dequantized; fp32 tensors travel exactly unless
+``compress_filter`` says otherwise. On the CPU the model is fp32, so this script passes
+``compress_filter=lambda t: True`` there (a quarter of the bytes). Two copies
 of one model train from the same seed on the same batches, one per setting; the script
 prints both losses per step, the bytes before and after compression, and how far the
 compressed run's gradients are from the exact ones after the first step.
@@ -40,8 +42,11 @@ def main() -> None:
     lossy = copy.deepcopy(exact)
     runs = {}
     for name, model, compress in (("exact", exact, None), ("fp8", lossy, "fp8")):
+        extra = {}
+        if compress is not None and dtype == torch.float32:
+            extra["compress_filter"] = lambda t: True  # fp32 travels exactly by default
         offloader = offload.ActivationOffloader(
-            model.layers, offload_layers="all", min_tensor_bytes=0, compress=compress
+            model.layers, offload_layers="all", min_tensor_bytes=0, compress=compress, **extra
         )
         runs[name] = (model, offloader, torch.optim.SGD(model.parameters(), lr=0.1))
 

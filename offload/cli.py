@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
             "offloader's), 0 on CPU where the default model's tensors are all smaller"
         ),
     )
+    run.add_argument(
+        "--compress", choices=["fp8"], help="offload compressed (lossy; default: exact)"
+    )
     run.add_argument("--steps", type=int, default=3, help="measured steps per phase; default 3")
     run.add_argument("--warmup", type=int, default=1, help="warm-up steps per phase; default 1")
     out = p.add_argument_group("output")
@@ -466,7 +469,7 @@ def _profile(args: argparse.Namespace) -> int:
     if min_bytes is None:
         min_bytes = 0 if device.type == "cpu" else 256 * 1024
     offloader = offload.ActivationOffloader(
-        layers, offload_layers=selection, min_tensor_bytes=min_bytes
+        layers, offload_layers=selection, min_tensor_bytes=min_bytes, compress=args.compress
     )
 
     def step() -> None:

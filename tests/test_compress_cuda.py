@@ -90,12 +90,9 @@ def test_race_stress_timing_does_not_change_results(dtype) -> None:
     slow = twin(fast)
     for layer in slow:
         layer.cycles = 2_000_000
-    off_fast = offload.ActivationOffloader(
-        fast, offload_layers=5, min_tensor_bytes=1024, compress="fp8"
-    )
-    off_slow = offload.ActivationOffloader(
-        slow, offload_layers=5, min_tensor_bytes=1024, compress="fp8"
-    )
+    every = dict(compress="fp8", compress_filter=lambda t: True)  # fp32 compressed too
+    off_fast = offload.ActivationOffloader(fast, offload_layers=5, min_tensor_bytes=1024, **every)
+    off_slow = offload.ActivationOffloader(slow, offload_layers=5, min_tensor_bytes=1024, **every)
     for _ in range(20):
         x = torch.randn(4, 256, 256, device=DEV, dtype=dtype)
         a = models.step(fast, x, models.run_plain, off_fast)
@@ -119,12 +116,9 @@ def test_tiny_layers_copies_dominate() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(Tiny() for _ in range(12)).to(DEV)
     ref = twin(layers)
-    off = offload.ActivationOffloader(
-        layers, offload_layers=11, min_tensor_bytes=1024, compress="fp8"
-    )
-    off_ref = offload.ActivationOffloader(
-        ref, offload_layers=11, min_tensor_bytes=1024, compress="fp8"
-    )
+    every = dict(compress="fp8", compress_filter=lambda t: True)  # fp32 compressed too
+    off = offload.ActivationOffloader(layers, offload_layers=11, min_tensor_bytes=1024, **every)
+    off_ref = offload.ActivationOffloader(ref, offload_layers=11, min_tensor_bytes=1024, **every)
     for i in range(30):
         x = torch.randn(64, 64, 64, device=DEV)
         if i % 2:
