@@ -453,6 +453,33 @@ class Plan:
     def predicted_bytes(self) -> float | None:
         return None if self.costs is None else self.costs.memory(self.levers)
 
+    def replan(self, budget: int | float) -> Plan:
+        """A new plan for another ``budget`` from the same measured costs (no new
+        measurement; same layers, levers allowed, ``compress`` and ``min_tensor_bytes``).
+
+        Args:
+            budget: bytes (``int``) or a fraction of the activation peak without levers
+                (``float`` in ``(0, 1]``).
+
+        Raises:
+            RuntimeError: the plan has no costs (made by hand).
+            ValueError: no plan meets the budget.
+        """
+        if self.costs is None:
+            raise RuntimeError("this plan was made by hand: it has no costs to plan with")
+        c = self.costs
+        limit = _budget_bytes(budget, c.memory(["keep"] * c.num_layers))
+        allowed = self.measured.get("levers", LEVERS)
+        return Plan(
+            self.layers,
+            optimize(c, limit, allowed),
+            costs=c,
+            budget_bytes=limit,
+            compress=self.compress,
+            min_tensor_bytes=self.min_tensor_bytes,
+            measured=self.measured,
+        )
+
     # ---- apply / remove --------------------------------------------------------------
 
     @property
@@ -715,10 +742,17 @@ def plan(
             (lossy, see :class:`~offload.ActivationOffloader`).
         min_tensor_bytes: of the offloader. Default ``256 * 1024``.
         steps: measured steps per configuration (>= 1). Default ``3``.
-        warmup: unmeasured steps before them (>= 0). Default ``1``.
+        warmup: unmeasured steps before them (>= 1: the first step of a fresh model
+            allocates its gradients, which must not count as activations). Default ``1``.
+
+    The activation peak is measured above what is allocated before each step, gradients
+    included (they accumulate across the planner's steps). A loop that sets gradients
+    to ``None`` before every step (``zero_grad(set_to_none=True)``) allocates them during
+    the step, on top of the planned peak: leave room for them in the budget.
 
     Returns:
-        A :class:`Plan`, not applied (call :meth:`Plan.apply`).
+        A :class:`Plan`, not applied (call :meth:`Plan.apply`; :meth:`Plan.replan` gives
+        the plan of another budget from the same measurement).
 
     Raises:
         TypeError: a wrong type (``step_fn`` not callable, ``budget`` not a number).
@@ -746,7 +780,7 @@ def plan(
             "enters its measuring offloaders around that forward); got "
             f"{type(model).__name__}"
         )
-    for name, value, minimum in (("steps", steps, 1), ("warmup", warmup, 0)):
+    for name, value, minimum in (("steps", steps, 1), ("warmup", warmup, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int; got {value!r}")
         if value < minimum:
@@ -872,5 +906,5 @@ def plan(
         budget_bytes=limit,
         compress=compress,
         min_tensor_bytes=min_tensor_bytes,
-        measured={"configs": configs, "fitted": fitted},
+        measured={"configs": configs, "fitted": fitted, "levers": list(allowed)},
     )

@@ -286,6 +286,11 @@ def test_plan_errors_and_report() -> None:
     q = Plan(layers, optimize(c, c.memory(["keep"] * 3) * 0.6), costs=c, budget_bytes=1e9)
     json.dumps(q.to_dict())
     assert "predicted step" in q.summary()
+    tighter = q.replan(0.4)
+    assert tighter.budget_bytes == pytest.approx(0.4 * c.memory(["keep"] * 3))
+    assert c.memory(tighter.levers) <= tighter.budget_bytes
+    with pytest.raises(RuntimeError, match="made by hand"):
+        p.replan(0.5)
     from rich.console import Console
 
     console = Console(record=True, width=80)
