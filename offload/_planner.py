@@ -17,14 +17,16 @@ that every prediction can be explained:
 
 * **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured by
   a forward with nothing offloaded). Between its forward and its backward it keeps
-  ``resident_i``: ``S_i`` (keep), 0 (offload), ``rho_sel * S_i`` (selective),
-  ``rho_ckpt * S_i`` (checkpoint). During its backward it holds all ``S_i`` again
-  (kept, reloaded or recomputed), plus a prefetched group ``P`` when offloaded, while
-  the layers before it still hold their residents, on top of a backward workspace
-  ``W``. The activation peak is the largest of the forward's end (the sum of residents)
-  and every layer's backward. ``W`` comes from the step without levers; ``rho_sel``,
-  ``rho_ckpt`` and ``P`` are fitted to steps with each lever on every layer. Every
-  prediction is anchored on the measured peak without levers.
+  ``resident_i``: ``S_i`` (keep), 0 (offload, once released), ``rho_sel * S_i``
+  (selective), ``rho_ckpt * S_i`` (checkpoint). During its forward a layer builds all
+  ``S_i`` while the layers before it hold theirs (an offloaded group holds ``S_j`` until
+  its release point, ``# Note [release order]``); during its backward it holds all
+  ``S_i`` again (kept, reloaded or recomputed) while the layers below it hold their
+  residents and the offloaded groups already reloaded for later (the reload points)
+  hold ``S_j``. Each of those moments adds a workspace ``W``; the predicted peak is the
+  largest of them. ``W`` comes from the step without levers (its peak minus the sum of
+  ``S_i``); ``rho_sel`` and ``rho_ckpt`` are fitted to steps with each lever on every
+  layer. Every prediction is anchored on the measured peak without levers.
 * **Time.** Recompute adds to a layer's backward the measured extra time of its lever
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
   layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
@@ -52,6 +54,7 @@ from typing import Any
 import torch
 
 from offload import _auto
+from offload._plan import make_plan
 
 __all__ = ["LEVERS", "Plan", "PlanCosts", "optimize", "plan"]
 
@@ -90,8 +93,9 @@ class PlanCosts:
         selective_s: extra backward seconds of each layer under selective recompute.
         checkpoint_s: extra backward seconds of each layer under full recompute.
         workspace_bytes: ``W``, backward memory beyond the saved activations.
-        prefetch_bytes: ``P``, extra memory while an offloaded layer's backward runs
-            (the next group reloading).
+        prefetch_bytes: extra memory while an offloaded layer's backward runs, beyond the
+            groups the reload schedule has brought back. Default 0 (:func:`plan` does
+            not fit it: the schedule accounts for the prefetched groups).
         d2h_bps, h2d_bps: host link bytes per second each way.
         gap_s: device seconds between the last layer's forward and its backward.
         step_s: measured seconds of the step without levers (predictions are anchored
@@ -169,13 +173,30 @@ class PlanCosts:
         return self.checkpoint_kept * s
 
     def raw_memory(self, levers: Sequence[str]) -> float:
-        """The model's activation peak for ``levers`` (not anchored)."""
-        peak = total = 0.0
-        for i, lever in enumerate(levers):
-            extra = self.prefetch_bytes if lever == "offload" else 0.0
-            peak = max(peak, total + self.saved_bytes[i] + extra + self.workspace_bytes)
-            total += self.resident(i, lever)
-        return max(peak, total)
+        """The model's activation peak for ``levers`` (not anchored): the largest of
+        every layer's forward and every layer's backward (module docstring)."""
+        L = len(levers)
+        S, W = self.saved_bytes, self.workspace_bytes
+        offloaded = [i for i, lever in enumerate(levers) if lever == "offload"]
+        schedule = make_plan(L, offloaded, None)
+        released = {g: r for r, gs in schedule.release_at.items() for g in gs}
+        reloaded = {g: q for q, gs in schedule.reload_at.items() for g in gs}
+        resident = [self.resident(i, lever) for i, lever in enumerate(levers)]
+        peak = 0.0
+        held = 0.0  # forward: what earlier layers hold when layer i starts
+        for i in range(L):
+            held = sum(
+                S[j] if levers[j] == "offload" and released.get(j, L) > i else resident[j]
+                for j in range(i)
+            )
+            peak = max(peak, held + S[i] + W)
+        below = 0.0  # backward of layer i: residents below it, prefetched groups, itself
+        for i in range(L):
+            prefetched = sum(S[j] for j in offloaded if j < i and reloaded.get(j, -1) >= i)
+            extra = self.prefetch_bytes if levers[i] == "offload" else 0.0
+            peak = max(peak, below + prefetched + S[i] + extra + W)
+            below += resident[i]
+        return max(peak, below)
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
@@ -886,16 +907,6 @@ def plan(
                 target,
                 1.0,
             )
-    if "offload" in configs:
-        target = configs["offload"]["peak_bytes"]
-        levers_all = ["offload"] * (L - 1) + ["keep"]
-        fitted["prefetch_bytes"] = int(
-            _fit(
-                lambda x: model_costs(**{**fitted, "prefetch_bytes": int(x)}).memory(levers_all),
-                target,
-                float(max(saved) * 4 + 1),
-            )
-        )
     costs = model_costs(**fitted)
     limit = _budget_bytes(budget, base_m)
     chosen = optimize(costs, limit, allowed)
