@@ -71,18 +71,27 @@ class Offloaded:
 
     __slots__ = ("step", "group", "copy", "dtype", "size", "stride", "offset")
 
-    def __init__(self, step: Step, group: _Group, copy: _Copy, t: torch.Tensor, offset: int):
+    def __init__(
+        self,
+        step: Step,
+        group: _Group,
+        copy: _Copy,
+        dtype: torch.dtype,
+        size: torch.Size,
+        stride: tuple[int, ...],
+        offset: int,
+    ):
         self.step = step
         self.group = group
         self.copy = copy
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
+        self.dtype = dtype
+        self.size = size
+        self.stride = stride
         self.offset = offset  # bytes from the start of the copied span
 
     def unpack(self) -> torch.Tensor:
         buffer = self.step.reloaded_buffer(self)
-        return _packing.rebuild(buffer, self.dtype, self.size, self.stride, self.offset)
+        return _packing.rebuild_view(buffer, self.dtype, self.size, self.stride, self.offset)
 
     def __del__(self) -> None:
         self.step.handle_died(self.copy, self.group)

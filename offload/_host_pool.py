@@ -47,11 +47,14 @@ def _next_pow2(n: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("buffer", "size", "starts", "sizes", "used")
+    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.size = buffer.numel()
+        #: dtype -> the whole slab viewed as that dtype (made at first use; the size is
+        #: a power of two of at least ALIGN bytes, so every itemsize divides it)
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
         self.starts: list[int] = [0]  # free ranges, sorted by start
         self.sizes: list[int] = [self.size]
         self.used = 0
@@ -92,15 +95,40 @@ class _Slab:
 
 
 class HostBlock:
-    """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`."""
+    """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`.
 
-    __slots__ = ("slab", "start", "nbytes", "tensor")
+    Its ``tensor`` (a ``uint8`` view of its ``length`` bytes) is made at first use: the
+    activation offloader's hot path copies into :meth:`typed` views instead and needs
+    the byte view only when it reloads. After :meth:`HostPool.free` it is ``None``."""
+
+    __slots__ = ("slab", "start", "nbytes", "length", "_tensor")
 
     def __init__(self, slab: _Slab, start: int, nbytes: int, length: int) -> None:
-        self.slab = slab
+        self.slab: _Slab | None = slab
         self.start = start
         self.nbytes = nbytes  # reserved (aligned) bytes
-        self.tensor = slab.buffer[start : start + length]
+        self.length = length  # requested bytes
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self._tensor
+        if t is None:
+            slab = self.slab
+            if slab is None:  # freed
+                return None  # type: ignore[return-value]
+            t = self._tensor = slab.buffer[self.start : self.start + self.length]
+        return t
+
+    def typed(self, dtype: torch.dtype, size: Any, stride: Any) -> torch.Tensor:
+        """A tensor of ``dtype``, ``size`` and ``stride`` over the block's first bytes
+        (its start is ALIGN-aligned, a multiple of every itemsize). The caller keeps
+        it within ``length`` bytes."""
+        slab = self.slab
+        view = slab.typed.get(dtype)  # type: ignore[union-attr]
+        if view is None:
+            view = slab.typed[dtype] = slab.buffer.view(dtype)  # type: ignore[union-attr]
+        return view.as_strided(size, stride, self.start // dtype.itemsize)
 
 
 class HostPool:
@@ -180,10 +208,12 @@ class HostPool:
     def free(self, block: HostBlock) -> None:
         """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
         with self._lock:
-            block.slab.give(block.start, block.nbytes)
-            block.slab.used -= block.nbytes
+            slab = block.slab
+            slab.give(block.start, block.nbytes)  # type: ignore[union-attr]
+            slab.used -= block.nbytes  # type: ignore[union-attr]
             self.in_use_bytes -= block.nbytes
-            block.tensor = None  # type: ignore[assignment]
+            block.slab = None
+            block._tensor = None
 
     def close(self) -> None:
         """Drop every slab. Blocks still handed out keep their own slab alive."""

@@ -65,11 +65,12 @@ def marked(t: torch.Tensor) -> bool:
     return bool(d) and bool(d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
 
 
-def parameter_like(t: torch.Tensor, state: LayerState) -> bool:
+def parameter_like(t: torch.Tensor, state: LayerState, storage_ptr: int | None = None) -> bool:
     """Whether ``t`` is a parameter in disguise: a parameter or buffer, a tensor on
     one's storage, a view/cast chain back to one (``_packing.is_parameter_derived``), or
-    a cast of a frozen weight (see :class:`LayerState`)."""
-    if _packing.is_parameter_derived(t, state.storages):
+    a cast of a frozen weight (see :class:`LayerState`). ``storage_ptr``:
+    ``t.untyped_storage().data_ptr()`` when the caller has it already."""
+    if _packing.is_parameter_derived(t, state.storages, storage_ptr):
         return True
     return (
         t.grad_fn is None

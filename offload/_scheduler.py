@@ -146,6 +146,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (the pack hot path)
+
+
 _tensors_in = _packing.tensors_requiring_grad
 
 
@@ -523,11 +526,15 @@ class Step:
 
     def _pack(self, t: torch.Tensor) -> Any:
         group = self.open
-        if opted_out() or _placement.marked(t):
+        d = t.__dict__
+        if getattr(_thread, "no_offload", 0) > 0 or (  # opted_out(), _placement.marked(t)
+            d and (d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
+        ):
             return self._keep("opted_out", group, t)
-        if issubclass(type(t), torch.nn.Parameter) or t.__dict__.get("is_weight", False):
+        cls = type(t)
+        if issubclass(cls, torch.nn.Parameter) or (d and d.get("is_weight", False)):
             return self._keep("parameter" if group is not None else "outside_layers", group, t)
-        if not _packing.is_plain(t):
+        if cls is not torch.Tensor:  # _packing.is_plain(t): Parameters returned above
             if _packing.is_te_quantized(t):
                 # TransformerEngine >= 2.0 quantized tensor: prepare_for_saving() empties
                 # the object it is called on, so call it on a detached alias, never on
@@ -559,18 +566,23 @@ class Step:
         return Kept(t)
 
     def _place(self, t: torch.Tensor, group: _Group) -> Kept | Offloaded:
-        """Keep ``t`` on the device with a reason, or start its copy to the host."""
-        if self.device is None and t.device.type in ("cpu", "cuda"):
-            self.device = t.device
-            self.backend = self.rt.backend(t.device)
+        """Keep ``t`` on the device with a reason, or start its copy to the host.
+
+        Hot path (Note [release order], 1): every check below runs for every tensor, in
+        this order; what is computed once (the storage, the span) is reused."""
+        device = t.device
+        if self.device is None and device.type in ("cpu", "cuda"):
+            self.device = device
+            self.backend = self.rt.backend(device)
             if group.stream is None:
                 group.stream = self.backend.current_stream()
-        if t.device != self.device:
+        if device != self.device:
             return self._keep("device", group, t)
         state = group.state
         if state is None:
             state = group.state = _placement.layer_state(group.module)
-        if _placement.parameter_like(t, state):
+        storage = t.untyped_storage()
+        if _placement.parameter_like(t, state, storage.data_ptr()):
             return self._keep("parameter", group, t)
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
@@ -580,7 +592,6 @@ class Step:
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
         if not group.offload:  # a measuring forward: count what would travel
-            storage = t.untyped_storage()
             key, total = storage._cdata, storage.nbytes()
             owner = self.candidate_owner.setdefault(key, group.index)
             if owner == group.index and group.candidates is not None:
@@ -591,7 +602,6 @@ class Step:
             return self._keep("not_selected", group, t)
 
         version = t._version
-        storage = t.untyped_storage()
         key = storage._cdata
         copies = self.storages.get(key)
         copy = None
@@ -610,6 +620,7 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
+        size, stride = t.size(), t.stride()
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
@@ -629,17 +640,28 @@ class Step:
                 return self._keep("host_limit", group, t)
             copy = _Copy(group.index, c_start, c_end, version, block, codec)
             copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
+            alias = t.detach()  # same storage and version counter (the device reference)
+            if codec is None and start == 0 and end == total and t.is_contiguous():
+                # The tensor's elements are exactly its storage's bytes: copy it into a
+                # host view of its own dtype and geometry (same bytes, same places), which
+                # saves a byte view of each side.
+                pair = (alias, block.typed(t.dtype, size, stride), None)
+            else:
+                pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
             queue = self.d2h_queue
-            queue.append((_packing.as_bytes(t, c_start, c_end), block.tensor, codec))
+            queue.append(pair)
             if len(queue) >= _D2H_BATCH:
                 self._flush_d2h(group)
-            group.device_refs.append((t.detach(), version, copy))
+            group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
             else:
                 copies.append(copy)
             group.stats.bytes_offloaded += sent
-            name = _dtype_name(t.dtype)
+            dtype = t.dtype
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
             stats = self.stats
             if codec is not None:
                 name += " as fp8"
@@ -647,12 +669,13 @@ class Step:
                 stats.compress_bytes_after += sent
             by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
-        if id(copy) not in group.copies:
-            group.copies[id(copy)] = copy
+        copies_of_group = group.copies
+        if id(copy) not in copies_of_group:
+            copies_of_group[id(copy)] = copy
             copy.users += 1
         copy.refs += 1
         group.live += 1
-        return Offloaded(self, group, copy, t, start - copy.start)
+        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start)
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -757,7 +780,7 @@ class Step:
                 copy.stream = stream
                 copy.waited = False
                 copy.holders = copy.users  # kept until every user group is done
-                self.stats.bytes_reloaded += copy.host.tensor.numel()  # type: ignore[union-attr]
+                self.stats.bytes_reloaded += copy.host.length  # type: ignore[union-attr]
             if event is not None:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
