@@ -59,16 +59,6 @@ class _Slab:
         self.sizes: list[int] = [self.size]
         self.used = 0
 
-    def best_fit(self, nbytes: int) -> tuple[int, int] | None:
-        """(index in the free list, range size) of the smallest free range that fits."""
-        best = None
-        for i, size in enumerate(self.sizes):
-            if size >= nbytes and (best is None or size < best[1]):
-                best = (i, size)
-                if size == nbytes:
-                    break
-        return best
-
     def take(self, index: int, nbytes: int) -> int:
         start = self.starts[index]
         if self.sizes[index] == nbytes:
@@ -161,26 +151,28 @@ class HostPool:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
         nbytes = max(ALIGN, (length + ALIGN - 1) // ALIGN * ALIGN)
         with self._lock:
-            block = self._take(nbytes, length)
-            if block is None:
-                slab = self._grow(nbytes)
-                if slab is None:
+            # best fit over every slab (``_Slab.best_fit``, inlined: the activation
+            # offloader calls this for every saved tensor)
+            best_slab = None
+            best_index = best_size = 0
+            for slab in self._slabs:
+                for i, size in enumerate(slab.sizes):
+                    if size >= nbytes and (best_slab is None or size < best_size):
+                        best_slab, best_index, best_size = slab, i, size
+                        if size == nbytes:
+                            break
+                if best_size == nbytes and best_slab is not None:
+                    break
+            if best_slab is None:
+                best_slab = self._grow(nbytes)
+                if best_slab is None:
                     return None
-                block = HostBlock(slab, slab.take(0, nbytes), nbytes, length)
+                best_index = 0
+            block = HostBlock(best_slab, best_slab.take(best_index, nbytes), nbytes, length)
             self.in_use_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+            if self.in_use_bytes > self.peak_bytes:
+                self.peak_bytes = self.in_use_bytes
             return block
-
-    def _take(self, nbytes: int, length: int) -> HostBlock | None:
-        best: tuple[_Slab, int, int] | None = None
-        for slab in self._slabs:
-            fit = slab.best_fit(nbytes)
-            if fit is not None and (best is None or fit[1] < best[2]):
-                best = (slab, fit[0], fit[1])
-        if best is None:
-            return None
-        slab, index, _ = best
-        return HostBlock(slab, slab.take(index, nbytes), nbytes, length)
 
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab

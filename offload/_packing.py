@@ -29,6 +29,7 @@ __all__ = [
     "rebuild_view",
     "as_bytes",
     "is_parameter_derived",
+    "derives_from_parameter",
     "is_plain",
     "flatten",
     "unflatten",
@@ -143,7 +144,13 @@ def is_parameter_derived(
         storage_ptr = t.untyped_storage().data_ptr()
     if storage_ptr in state_storages:
         return True
-    fn = t.grad_fn
+    return derives_from_parameter(t.grad_fn, state_storages)
+
+
+def derives_from_parameter(fn: Any, state_storages: set[int]) -> bool:
+    """The autograd half of :func:`is_parameter_derived`: whether the chain of
+    view/cast nodes from ``fn`` (a saved tensor's ``grad_fn``) ends at a parameter's
+    ``AccumulateGrad`` (or at a leaf on one of ``state_storages``)."""
     for _ in range(_MAX_CHAIN):
         if fn is None:
             return False

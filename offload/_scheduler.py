@@ -587,7 +587,11 @@ class Step:
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
             return self._keep("filtered", group, t)
-        start, end = _packing.span(t)
+        if t.is_contiguous():  # _packing.span, inlined for the common case
+            start = t.storage_offset() * t.element_size()
+            end = start + t.nbytes
+        else:
+            start, end = _packing.span(t)
         nbytes = end - start
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
