@@ -117,12 +117,17 @@ def rebuild_view(
 ) -> torch.Tensor:
     """:func:`rebuild` for tensors handed to autograd by an unpack hook (which
     re-wraps them, so that they are views of ``buffer`` does not show): the same
-    elements, made as ``buffer.view(dtype).as_strided(...)`` when ``buffer`` (a 1-D
-    ``uint8`` tensor at the start of its storage) holds whole elements, which is
+    elements, made as ``buffer.view(dtype).as_strided(...)`` when ``buffer`` is a 1-D
+    ``uint8`` tensor at the start of its storage that holds whole elements, which is
     cheaper than a fresh tensor ``set_`` on the storage. ``as_strided`` checks the
     bounds against the storage as ``set_`` does."""
     itemsize = dtype.itemsize
-    if buffer.numel() % itemsize or byte_offset % itemsize or buffer.storage_offset():
+    if (
+        buffer.dtype != torch.uint8
+        or buffer.numel() % itemsize
+        or byte_offset % itemsize
+        or buffer.storage_offset()
+    ):
         return rebuild(buffer, dtype, size, stride, byte_offset)
     return buffer.view(dtype).as_strided(size, stride, byte_offset // itemsize)
 

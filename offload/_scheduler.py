@@ -194,6 +194,8 @@ class _Copy:
         "ref",
         "storage_nbytes",
         "codec",
+        "spec",
+        "host_view",
     )
 
     def __init__(
@@ -223,6 +225,13 @@ class _Copy:
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
         #: packed form of offload/_compress.py); None: the span's bytes, exactly
         self.codec = codec
+        #: (dtype, size, stride) when the span is the whole storage of a contiguous
+        #: tensor of that geometry (the common case): its host bytes are written and read
+        #: through ``host_view`` (that geometry over the host block) and it is reloaded
+        #: into a buffer of that geometry, which its handles of that geometry return as
+        #: they are (no byte views). None: byte copies (``host.tensor``, uint8 buffers).
+        self.spec: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
+        self.host_view: torch.Tensor | None = None
 
 
 class _Group:
@@ -490,6 +499,7 @@ class Step:
                     if copy.host is not None:
                         self.rt.pool.free(copy.host)
                         copy.host = None
+                        copy.host_view = None
                     copy.buffer = None
             self.storages.clear()
             self.buffers.clear()
@@ -625,6 +635,7 @@ class Step:
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
         size, stride = t.size(), t.stride()
+        whole = False  # Offloaded.whole
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
@@ -648,8 +659,11 @@ class Step:
             if codec is None and start == 0 and end == total and t.is_contiguous():
                 # The tensor's elements are exactly its storage's bytes: copy it into a
                 # host view of its own dtype and geometry (same bytes, same places), which
-                # saves a byte view of each side.
-                pair = (alias, block.typed(t.dtype, size, stride), None)
+                # saves a byte view of each side (_Copy.spec).
+                copy.spec = (t.dtype, size, stride)
+                copy.host_view = view = block.typed(t.dtype, size, stride)
+                pair = (alias, view, None)
+                whole = True
             else:
                 pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
             queue = self.d2h_queue
@@ -673,13 +687,15 @@ class Step:
                 stats.compress_bytes_after += sent
             by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
+        elif copy.spec is not None:  # another tensor of the same storage, maybe the same one
+            whole = start == copy.start and copy.spec == (t.dtype, size, stride)
         copies_of_group = group.copies
         if id(copy) not in copies_of_group:
             copies_of_group[id(copy)] = copy
             copy.users += 1
         copy.refs += 1
         group.live += 1
-        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start)
+        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start, whole)
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -768,11 +784,13 @@ class Step:
         stream = group.stream if group.stream is not None else backend.current_stream()  # type: ignore[union-attr]
         self._flush_d2h(None)
         todo = [c for c in group.copies.values() if c.buffer is None and c.host is not None]
-        buffers = self.buffers.take(backend, [c.end - c.start for c in todo], stream)  # type: ignore[arg-type]
+        requests = [c.end - c.start if c.spec is None else c.spec for c in todo]
+        buffers = self.buffers.take(backend, requests, stream)  # type: ignore[arg-type]
         pairs, waits = [], []
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
-            pairs.append((copy.host.tensor, buffer, copy.codec))  # type: ignore[union-attr]
+            src = copy.host_view if copy.spec is not None else copy.host.tensor  # type: ignore[union-attr]
+            pairs.append((src, buffer, copy.codec))
             owner = self.groups[copy.owner]
             if owner.d2h_done is None and owner.device_refs:
                 owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
@@ -854,7 +872,8 @@ class Step:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
             if reuse and not self.backward_done:
-                self.buffers.give(copy.buffer)
+                spec = copy.spec
+                self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None
 
     # ---- handle death ----------------------------------------------------------------
@@ -878,6 +897,7 @@ class Step:
             if copy.host is not None:
                 self.rt.pool.free(copy.host)
                 copy.host = None
+                copy.host_view = None
         if group is not None:
             group.live -= 1
             if group.live == 0:
