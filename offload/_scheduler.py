@@ -112,12 +112,19 @@ from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
 __all__ = ["Runtime", "Step", "in_backward", "opted_out"]
 
-_thread = threading.local()
+
+class _ThreadState(threading.local):
+    #: depth of offload.no_offload() on this thread (a class default: a missing
+    #: attribute of a threading.local costs an exception on every lookup)
+    no_offload = 0
+
+
+_thread = _ThreadState()
 
 
 def opted_out() -> bool:
     """Whether the calling thread is inside :func:`offload.no_offload`."""
-    return getattr(_thread, "no_offload", 0) > 0
+    return _thread.no_offload > 0
 
 
 def in_backward() -> bool:
@@ -127,7 +134,7 @@ def in_backward() -> bool:
 
 
 def _enter_no_offload() -> None:
-    _thread.no_offload = getattr(_thread, "no_offload", 0) + 1
+    _thread.no_offload += 1
 
 
 def _exit_no_offload() -> None:
@@ -537,7 +544,7 @@ class Step:
     def _pack(self, t: torch.Tensor) -> Any:
         group = self.open
         d = t.__dict__
-        if getattr(_thread, "no_offload", 0) > 0 or (  # opted_out(), _placement.marked(t)
+        if _thread.no_offload > 0 or (  # opted_out(), _placement.marked(t)
             d and (d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
         ):
             return self._keep("opted_out", group, t)
@@ -559,7 +566,8 @@ class Step:
                 parts = [self._pack(x) if isinstance(x, torch.Tensor) else Raw(x) for x in inner]
                 return PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
             return self._keep("unsupported", group, t)
-        if _packing.unsupported(t):
+        # _packing.unsupported(t), inlined
+        if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_meta:
             return self._keep("unsupported", group, t)
         if group is None:
             if self.groups and not self.forward_done:
@@ -786,15 +794,25 @@ class Step:
         todo = [c for c in group.copies.values() if c.buffer is None and c.host is not None]
         requests = [c.end - c.start if c.spec is None else c.spec for c in todo]
         buffers = self.buffers.take(backend, requests, stream)  # type: ignore[arg-type]
-        pairs, waits = [], []
+        pairs: list[Any] = []
+        waits: list[Any] = []  # the D2H event of each group that made one of the copies
+        groups = self.groups
+        owners: set[int] = set()
+        reloaded = 0
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
-            src = copy.host_view if copy.spec is not None else copy.host.tensor  # type: ignore[union-attr]
-            pairs.append((src, buffer, copy.codec))
-            owner = self.groups[copy.owner]
-            if owner.d2h_done is None and owner.device_refs:
-                owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
-            waits.append(owner.d2h_done)
+            host = copy.host
+            pairs.append(
+                (copy.host_view if copy.spec is not None else host.tensor, buffer, copy.codec)  # type: ignore[union-attr]
+            )
+            reloaded += host.length  # type: ignore[union-attr]
+            if copy.owner not in owners:  # one wait per event is enough
+                owners.add(copy.owner)
+                owner = groups[copy.owner]
+                if owner.d2h_done is None and owner.device_refs:
+                    owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
+                if owner.d2h_done is not None:
+                    waits.append(owner.d2h_done)
         if pairs:
             event = backend.h2d(pairs, waits, stream, group.times)  # type: ignore[union-attr]
             for copy in todo:
@@ -802,7 +820,7 @@ class Step:
                 copy.stream = stream
                 copy.waited = False
                 copy.holders = copy.users  # kept until every user group is done
-                self.stats.bytes_reloaded += copy.host.length  # type: ignore[union-attr]
+            self.stats.bytes_reloaded += reloaded
             if event is not None:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
@@ -810,8 +828,10 @@ class Step:
     def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
         """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
         (Note [release order], 5)."""
-        with self.rt.lock:
-            self.rt.drain()
+        rt = self.rt
+        with rt.lock:
+            if rt.graveyard:
+                rt.drain()
             copy = handle.copy
             if copy.poison is not None:
                 raise RuntimeError(copy.poison)
@@ -821,6 +841,9 @@ class Step:
                     "that saved it raised an exception; run the forward again before "
                     "calling backward"
                 )
+            buffer = copy.buffer
+            if buffer is not None and copy.waited:  # reloaded and waited for: step 5 done
+                return buffer
             group = handle.group
             if copy.buffer is None:
                 self._reload(group)  # on demand
@@ -883,7 +906,8 @@ class Step:
         rt = self.rt
         if rt.lock.acquire(blocking=False):
             try:
-                rt.drain()
+                if rt.graveyard:
+                    rt.drain()
                 self._retire(copy, group)
             finally:
                 rt.lock.release()
@@ -893,7 +917,8 @@ class Step:
     def _retire(self, copy: _Copy, group: _Group | None) -> None:
         copy.refs -= 1
         if copy.refs == 0:
-            self._drop_buffer(copy, reuse=not self.aborted)
+            if copy.buffer is not None:
+                self._drop_buffer(copy, reuse=not self.aborted)
             if copy.host is not None:
                 self.rt.pool.free(copy.host)
                 copy.host = None
