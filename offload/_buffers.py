@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from offload._device import Backend
+from offload._device import Backend, Request
 
 __all__ = ["ReloadBuffers"]
 
@@ -30,14 +30,17 @@ class ReloadBuffers:
 
     def __init__(self, reuse: bool) -> None:
         self.reuse = reuse
-        self.spares: dict[int, list[torch.Tensor]] = {}
+        self.spares: dict[Request, list[torch.Tensor]] = {}
         self.reuses = 0
 
-    def take(self, backend: Backend, sizes: list[int], stream: Any) -> list[torch.Tensor]:
-        """A buffer per size: a spare of that size that nothing references any more,
-        else a fresh one from ``stream``'s pool (allocated together). Reuse is safe in
-        stream order: the H2D that refills a spare waits for the compute stream, behind
-        every kernel that read it."""
+    def take(self, backend: Backend, sizes: list[Request], stream: Any) -> list[torch.Tensor]:
+        """A buffer per request (a byte count or a geometry, ``_device.Request``): a
+        spare made for an equal request that nothing references any more, else a fresh
+        one from ``stream``'s pool (allocated together). Reuse is safe in stream order:
+        the H2D that refills a spare waits for the compute stream, behind every kernel
+        that read it."""
+        if not self.spares:  # no reuse, or none to reuse yet
+            return backend.alloc(sizes, stream)
         out: list[torch.Tensor | None] = []
         fresh: list[int] = []
         for nbytes in sizes:
@@ -58,10 +61,11 @@ class ReloadBuffers:
                 out[i] = buf
         return out  # type: ignore[return-value]
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """A group is done with ``buffer``: keep it as a spare when reusing."""
+    def give(self, buffer: torch.Tensor, request: Request) -> None:
+        """A group is done with ``buffer`` (made for ``request``): keep it as a spare
+        when reusing."""
         if self.reuse:
-            self.spares.setdefault(buffer.numel(), []).append(buffer)
+            self.spares.setdefault(request, []).append(buffer)
 
     def clear(self) -> None:
         """The backward is over: free every spare."""

@@ -25,13 +25,27 @@ import torch
 
 from offload import _compress
 
-__all__ = ["Backend", "CudaBackend", "SyncBackend", "backend_for"]
+__all__ = ["Backend", "CudaBackend", "Request", "SyncBackend", "backend_for", "empty"]
 
 
 #: Where a backend appends timing records when asked: ``(kind, seconds)`` measured on
 #: the host (synchronous path) or ``(kind, start_event, end_event)`` on a device stream.
 #: ``kind`` is ``"d2h"``, ``"h2d"`` or ``"stall"`` (the compute stream waiting for a copy).
 Times = list[tuple[Any, ...]]
+
+#: A reload buffer to allocate: a byte count (a 1-D ``uint8`` buffer) or ``(dtype,
+#: size, stride)`` (a buffer of that geometry: the exact copy of a contiguous tensor
+#: that filled its whole storage, rebuilt without a byte view).
+Request = int | tuple[torch.dtype, torch.Size, tuple[int, ...]]
+
+
+def empty(request: Request, device: torch.device) -> torch.Tensor:
+    """A fresh buffer for ``request`` on ``device`` (the current stream's pool)."""
+    if isinstance(request, int):
+        return torch.empty(request, dtype=torch.uint8, device=device)
+    dtype, size, stride = request
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
 
 #: One copy: ``(src, dst, codec)``. ``codec`` is ``None`` (copy the bytes exactly) or
 #: the dtype of the elements (``compress="fp8"``): D2H quantizes ``src`` (a byte view
@@ -74,9 +88,11 @@ class Backend:
         """An event marking the end of every D2H copy issued so far."""
         return None
 
-    def alloc(self, sizes: list[int], stream: Any) -> list[torch.Tensor]:
-        """Device byte buffers of ``sizes`` allocated in ``stream``'s pool."""
-        return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+    def alloc(self, sizes: list[Request], stream: Any) -> list[torch.Tensor]:
+        """Device buffers (byte counts or geometries: :data:`Request`) allocated in
+        ``stream``'s pool."""
+        device = self.device
+        return [empty(n, device) for n in sizes]
 
     def h2d(
         self,
@@ -278,11 +294,12 @@ class CudaBackend(Backend):
     def record_d2h(self) -> torch.cuda.Event:
         return self.d2h_stream.record_event()
 
-    def alloc(self, sizes: list[int], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+    def alloc(self, sizes: list[Request], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         # The caching allocator keeps one pool per stream: allocate in the pool of the
         # stream that will read and later free the buffers (the compute stream).
+        device = self.device
         with torch.cuda.stream(stream):
-            return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            return [empty(n, device) for n in sizes]
 
     def h2d(
         self,

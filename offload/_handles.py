@@ -67,22 +67,40 @@ class Kept:
 
 
 class Offloaded:
-    """A saved tensor whose bytes are (part of) a host copy."""
+    """A saved tensor whose bytes are (part of) a host copy.
 
-    __slots__ = ("step", "group", "copy", "dtype", "size", "stride", "offset")
+    ``whole``: the tensor is its copy's whole geometry (``_Copy.spec``), so the reloaded
+    buffer is the tensor; else it is rebuilt as a view into the reloaded span."""
 
-    def __init__(self, step: Step, group: _Group, copy: _Copy, t: torch.Tensor, offset: int):
+    __slots__ = ("step", "group", "copy", "dtype", "size", "stride", "offset", "whole")
+
+    def __init__(
+        self,
+        step: Step,
+        group: _Group,
+        copy: _Copy,
+        dtype: torch.dtype,
+        size: torch.Size,
+        stride: tuple[int, ...],
+        offset: int,
+        whole: bool = False,
+    ):
         self.step = step
         self.group = group
         self.copy = copy
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
+        self.dtype = dtype
+        self.size = size
+        self.stride = stride
         self.offset = offset  # bytes from the start of the copied span
+        self.whole = whole
 
     def unpack(self) -> torch.Tensor:
         buffer = self.step.reloaded_buffer(self)
-        return _packing.rebuild(buffer, self.dtype, self.size, self.stride, self.offset)
+        if self.whole:
+            # a fresh tensor over the buffer (never the buffer itself: what the caller
+            # does to the tensor's metadata must not reach the copy)
+            return buffer.detach()
+        return _packing.rebuild_view(buffer, self.dtype, self.size, self.stride, self.offset)
 
     def __del__(self) -> None:
         self.step.handle_died(self.copy, self.group)

@@ -47,24 +47,17 @@ def _next_pow2(n: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("buffer", "size", "starts", "sizes", "used")
+    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.size = buffer.numel()
+        #: dtype -> the whole slab viewed as that dtype (made at first use; the size is
+        #: a power of two of at least ALIGN bytes, so every itemsize divides it)
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
         self.starts: list[int] = [0]  # free ranges, sorted by start
         self.sizes: list[int] = [self.size]
         self.used = 0
-
-    def best_fit(self, nbytes: int) -> tuple[int, int] | None:
-        """(index in the free list, range size) of the smallest free range that fits."""
-        best = None
-        for i, size in enumerate(self.sizes):
-            if size >= nbytes and (best is None or size < best[1]):
-                best = (i, size)
-                if size == nbytes:
-                    break
-        return best
 
     def take(self, index: int, nbytes: int) -> int:
         start = self.starts[index]
@@ -92,15 +85,40 @@ class _Slab:
 
 
 class HostBlock:
-    """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`."""
+    """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`.
 
-    __slots__ = ("slab", "start", "nbytes", "tensor")
+    Its ``tensor`` (a ``uint8`` view of its ``length`` bytes) is made at first use: the
+    activation offloader's hot path copies into :meth:`typed` views instead and needs
+    the byte view only when it reloads. After :meth:`HostPool.free` it is ``None``."""
+
+    __slots__ = ("slab", "start", "nbytes", "length", "_tensor")
 
     def __init__(self, slab: _Slab, start: int, nbytes: int, length: int) -> None:
-        self.slab = slab
+        self.slab: _Slab | None = slab
         self.start = start
         self.nbytes = nbytes  # reserved (aligned) bytes
-        self.tensor = slab.buffer[start : start + length]
+        self.length = length  # requested bytes
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self._tensor
+        if t is None:
+            slab = self.slab
+            if slab is None:  # freed
+                return None  # type: ignore[return-value]
+            t = self._tensor = slab.buffer[self.start : self.start + self.length]
+        return t
+
+    def typed(self, dtype: torch.dtype, size: Any, stride: Any) -> torch.Tensor:
+        """A tensor of ``dtype``, ``size`` and ``stride`` over the block's first bytes
+        (its start is ALIGN-aligned, a multiple of every itemsize). The caller keeps
+        it within ``length`` bytes."""
+        slab = self.slab
+        view = slab.typed.get(dtype)  # type: ignore[union-attr]
+        if view is None:
+            view = slab.typed[dtype] = slab.buffer.view(dtype)  # type: ignore[union-attr]
+        return view.as_strided(size, stride, self.start // dtype.itemsize)
 
 
 class HostPool:
@@ -133,26 +151,28 @@ class HostPool:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
         nbytes = max(ALIGN, (length + ALIGN - 1) // ALIGN * ALIGN)
         with self._lock:
-            block = self._take(nbytes, length)
-            if block is None:
-                slab = self._grow(nbytes)
-                if slab is None:
+            # best fit over every slab (``_Slab.best_fit``, inlined: the activation
+            # offloader calls this for every saved tensor)
+            best_slab = None
+            best_index = best_size = 0
+            for slab in self._slabs:
+                for i, size in enumerate(slab.sizes):
+                    if size >= nbytes and (best_slab is None or size < best_size):
+                        best_slab, best_index, best_size = slab, i, size
+                        if size == nbytes:
+                            break
+                if best_size == nbytes and best_slab is not None:
+                    break
+            if best_slab is None:
+                best_slab = self._grow(nbytes)
+                if best_slab is None:
                     return None
-                block = HostBlock(slab, slab.take(0, nbytes), nbytes, length)
+                best_index = 0
+            block = HostBlock(best_slab, best_slab.take(best_index, nbytes), nbytes, length)
             self.in_use_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+            if self.in_use_bytes > self.peak_bytes:
+                self.peak_bytes = self.in_use_bytes
             return block
-
-    def _take(self, nbytes: int, length: int) -> HostBlock | None:
-        best: tuple[_Slab, int, int] | None = None
-        for slab in self._slabs:
-            fit = slab.best_fit(nbytes)
-            if fit is not None and (best is None or fit[1] < best[2]):
-                best = (slab, fit[0], fit[1])
-        if best is None:
-            return None
-        slab, index, _ = best
-        return HostBlock(slab, slab.take(index, nbytes), nbytes, length)
 
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
@@ -180,10 +200,12 @@ class HostPool:
     def free(self, block: HostBlock) -> None:
         """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
         with self._lock:
-            block.slab.give(block.start, block.nbytes)
-            block.slab.used -= block.nbytes
+            slab = block.slab
+            slab.give(block.start, block.nbytes)  # type: ignore[union-attr]
+            slab.used -= block.nbytes  # type: ignore[union-attr]
             self.in_use_bytes -= block.nbytes
-            block.tensor = None  # type: ignore[assignment]
+            block.slab = None
+            block._tensor = None
 
     def close(self) -> None:
         """Drop every slab. Blocks still handed out keep their own slab alive."""

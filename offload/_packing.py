@@ -26,8 +26,10 @@ import torch
 __all__ = [
     "span",
     "rebuild",
+    "rebuild_view",
     "as_bytes",
     "is_parameter_derived",
+    "derives_from_parameter",
     "is_plain",
     "flatten",
     "unflatten",
@@ -78,6 +80,8 @@ def span(t: torch.Tensor) -> tuple[int, int]:
     """``(start, end)`` in bytes of the storage region that ``t`` can address."""
     itemsize = t.element_size()
     offset = t.storage_offset()
+    if t.is_contiguous():  # the common case: exactly its own elements
+        return offset * itemsize, (offset * itemsize) + t.nbytes
     if t.numel() == 0:
         return offset * itemsize, offset * itemsize
     last = offset
@@ -104,19 +108,54 @@ def rebuild(
     return out.set_(buffer.untyped_storage(), byte_offset // dtype.itemsize, size, stride)
 
 
-def is_parameter_derived(t: torch.Tensor, state_storages: set[int]) -> bool:
+def rebuild_view(
+    buffer: torch.Tensor,
+    dtype: torch.dtype,
+    size: torch.Size,
+    stride: tuple[int, ...],
+    byte_offset: int,
+) -> torch.Tensor:
+    """:func:`rebuild` for tensors handed to autograd by an unpack hook (which
+    re-wraps them, so that they are views of ``buffer`` does not show): the same
+    elements, made as ``buffer.view(dtype).as_strided(...)`` when ``buffer`` is a 1-D
+    ``uint8`` tensor at the start of its storage that holds whole elements, which is
+    cheaper than a fresh tensor ``set_`` on the storage. ``as_strided`` checks the
+    bounds against the storage as ``set_`` does."""
+    itemsize = dtype.itemsize
+    if (
+        buffer.dtype != torch.uint8
+        or buffer.numel() % itemsize
+        or byte_offset % itemsize
+        or buffer.storage_offset()
+    ):
+        return rebuild(buffer, dtype, size, stride, byte_offset)
+    return buffer.view(dtype).as_strided(size, stride, byte_offset // itemsize)
+
+
+def is_parameter_derived(
+    t: torch.Tensor, state_storages: set[int], storage_ptr: int | None = None
+) -> bool:
     """Whether ``t`` is a parameter (or buffer), shares its storage, or views/casts one.
 
     Args:
         t: the saved tensor.
         state_storages: ``data_ptr()`` of the untyped storages of the parameters and
             buffers of the layer being run.
+        storage_ptr: ``t.untyped_storage().data_ptr()`` when the caller has it already.
     """
     if issubclass(type(t), torch.nn.Parameter):  # not isinstance: its metaclass is slow
         return True
-    if t.untyped_storage().data_ptr() in state_storages:
+    if storage_ptr is None:
+        storage_ptr = t.untyped_storage().data_ptr()
+    if storage_ptr in state_storages:
         return True
-    fn = t.grad_fn
+    return derives_from_parameter(t.grad_fn, state_storages)
+
+
+def derives_from_parameter(fn: Any, state_storages: set[int]) -> bool:
+    """The autograd half of :func:`is_parameter_derived`: whether the chain of
+    view/cast nodes from ``fn`` (a saved tensor's ``grad_fn``) ends at a parameter's
+    ``AccumulateGrad`` (or at a leaf on one of ``state_storages``)."""
     for _ in range(_MAX_CHAIN):
         if fn is None:
             return False

@@ -65,18 +65,24 @@ def marked(t: torch.Tensor) -> bool:
     return bool(d) and bool(d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
 
 
-def parameter_like(t: torch.Tensor, state: LayerState) -> bool:
+def parameter_like(t: torch.Tensor, state: LayerState, storage_ptr: int | None = None) -> bool:
     """Whether ``t`` is a parameter in disguise: a parameter or buffer, a tensor on
     one's storage, a view/cast chain back to one (``_packing.is_parameter_derived``), or
-    a cast of a frozen weight (see :class:`LayerState`)."""
-    if _packing.is_parameter_derived(t, state.storages):
+    a cast of a frozen weight (see :class:`LayerState`). ``storage_ptr``:
+    ``t.untyped_storage().data_ptr()`` when the caller has it already."""
+    # _packing.is_parameter_derived, unrolled (this runs for every saved tensor)
+    if issubclass(type(t), torch.nn.Parameter):
         return True
-    return (
-        t.grad_fn is None
-        and not t.requires_grad
-        and bool(state.frozen_shapes)
-        and tuple(t.shape) in state.frozen_shapes
-    )
+    if storage_ptr is None:
+        storage_ptr = t.untyped_storage().data_ptr()
+    storages = state.storages
+    if storage_ptr in storages:
+        return True
+    fn = t.grad_fn
+    if fn is not None:
+        return _packing.derives_from_parameter(fn, storages)
+    frozen = state.frozen_shapes
+    return not t.requires_grad and bool(frozen) and tuple(t.shape) in frozen
 
 
 def kept_bytes(t: torch.Tensor) -> int:

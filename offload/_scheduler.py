@@ -112,12 +112,19 @@ from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
 __all__ = ["Runtime", "Step", "in_backward", "opted_out"]
 
-_thread = threading.local()
+
+class _ThreadState(threading.local):
+    #: depth of offload.no_offload() on this thread (a class default: a missing
+    #: attribute of a threading.local costs an exception on every lookup)
+    no_offload = 0
+
+
+_thread = _ThreadState()
 
 
 def opted_out() -> bool:
     """Whether the calling thread is inside :func:`offload.no_offload`."""
-    return getattr(_thread, "no_offload", 0) > 0
+    return _thread.no_offload > 0
 
 
 def in_backward() -> bool:
@@ -127,7 +134,7 @@ def in_backward() -> bool:
 
 
 def _enter_no_offload() -> None:
-    _thread.no_offload = getattr(_thread, "no_offload", 0) + 1
+    _thread.no_offload += 1
 
 
 def _exit_no_offload() -> None:
@@ -144,6 +151,9 @@ _D2H_BATCH = 8
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (the pack hot path)
 
 
 _tensors_in = _packing.tensors_requiring_grad
@@ -191,6 +201,8 @@ class _Copy:
         "ref",
         "storage_nbytes",
         "codec",
+        "spec",
+        "host_view",
     )
 
     def __init__(
@@ -220,6 +232,13 @@ class _Copy:
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
         #: packed form of offload/_compress.py); None: the span's bytes, exactly
         self.codec = codec
+        #: (dtype, size, stride) when the span is the whole storage of a contiguous
+        #: tensor of that geometry (the common case): its host bytes are written and read
+        #: through ``host_view`` (that geometry over the host block) and it is reloaded
+        #: into a buffer of that geometry, which its handles of that geometry return as
+        #: they are (no byte views). None: byte copies (``host.tensor``, uint8 buffers).
+        self.spec: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
+        self.host_view: torch.Tensor | None = None
 
 
 class _Group:
@@ -487,6 +506,7 @@ class Step:
                     if copy.host is not None:
                         self.rt.pool.free(copy.host)
                         copy.host = None
+                        copy.host_view = None
                     copy.buffer = None
             self.storages.clear()
             self.buffers.clear()
@@ -523,11 +543,15 @@ class Step:
 
     def _pack(self, t: torch.Tensor) -> Any:
         group = self.open
-        if opted_out() or _placement.marked(t):
+        d = t.__dict__
+        if _thread.no_offload > 0 or (  # opted_out(), _placement.marked(t)
+            d and (d.get("_TE_do_not_offload") or d.get("_do_not_offload"))
+        ):
             return self._keep("opted_out", group, t)
-        if issubclass(type(t), torch.nn.Parameter) or t.__dict__.get("is_weight", False):
+        cls = type(t)
+        if issubclass(cls, torch.nn.Parameter) or (d and d.get("is_weight", False)):
             return self._keep("parameter" if group is not None else "outside_layers", group, t)
-        if not _packing.is_plain(t):
+        if cls is not torch.Tensor:  # _packing.is_plain(t): Parameters returned above
             if _packing.is_te_quantized(t):
                 # TransformerEngine >= 2.0 quantized tensor: prepare_for_saving() empties
                 # the object it is called on, so call it on a detached alias, never on
@@ -542,7 +566,8 @@ class Step:
                 parts = [self._pack(x) if isinstance(x, torch.Tensor) else Raw(x) for x in inner]
                 return PackedSubclass(type(t), names, ctx, parts, t.size(), t.stride())
             return self._keep("unsupported", group, t)
-        if _packing.unsupported(t):
+        # _packing.unsupported(t), inlined
+        if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_meta:
             return self._keep("unsupported", group, t)
         if group is None:
             if self.groups and not self.forward_done:
@@ -559,28 +584,36 @@ class Step:
         return Kept(t)
 
     def _place(self, t: torch.Tensor, group: _Group) -> Kept | Offloaded:
-        """Keep ``t`` on the device with a reason, or start its copy to the host."""
-        if self.device is None and t.device.type in ("cpu", "cuda"):
-            self.device = t.device
-            self.backend = self.rt.backend(t.device)
+        """Keep ``t`` on the device with a reason, or start its copy to the host.
+
+        Hot path (Note [release order], 1): every check below runs for every tensor, in
+        this order; what is computed once (the storage, the span) is reused."""
+        device = t.device
+        if self.device is None and device.type in ("cpu", "cuda"):
+            self.device = device
+            self.backend = self.rt.backend(device)
             if group.stream is None:
                 group.stream = self.backend.current_stream()
-        if t.device != self.device:
+        if device != self.device:
             return self._keep("device", group, t)
         state = group.state
         if state is None:
             state = group.state = _placement.layer_state(group.module)
-        if _placement.parameter_like(t, state):
+        storage = t.untyped_storage()
+        if _placement.parameter_like(t, state, storage.data_ptr()):
             return self._keep("parameter", group, t)
         flt = self.cfg.tensor_filter
         if flt is not None and not flt(t):
             return self._keep("filtered", group, t)
-        start, end = _packing.span(t)
+        if t.is_contiguous():  # _packing.span, inlined for the common case
+            start = t.storage_offset() * t.element_size()
+            end = start + t.nbytes
+        else:
+            start, end = _packing.span(t)
         nbytes = end - start
         if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
         if not group.offload:  # a measuring forward: count what would travel
-            storage = t.untyped_storage()
             key, total = storage._cdata, storage.nbytes()
             owner = self.candidate_owner.setdefault(key, group.index)
             if owner == group.index and group.candidates is not None:
@@ -591,7 +624,6 @@ class Step:
             return self._keep("not_selected", group, t)
 
         version = t._version
-        storage = t.untyped_storage()
         key = storage._cdata
         copies = self.storages.get(key)
         copy = None
@@ -610,6 +642,8 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
+        size, stride = t.size(), t.stride()
+        whole = False  # Offloaded.whole
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
@@ -629,17 +663,31 @@ class Step:
                 return self._keep("host_limit", group, t)
             copy = _Copy(group.index, c_start, c_end, version, block, codec)
             copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
+            alias = t.detach()  # same storage and version counter (the device reference)
+            if codec is None and start == 0 and end == total and t.is_contiguous():
+                # The tensor's elements are exactly its storage's bytes: copy it into a
+                # host view of its own dtype and geometry (same bytes, same places), which
+                # saves a byte view of each side (_Copy.spec).
+                copy.spec = (t.dtype, size, stride)
+                copy.host_view = view = block.typed(t.dtype, size, stride)
+                pair = (alias, view, None)
+                whole = True
+            else:
+                pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
             queue = self.d2h_queue
-            queue.append((_packing.as_bytes(t, c_start, c_end), block.tensor, codec))
+            queue.append(pair)
             if len(queue) >= _D2H_BATCH:
                 self._flush_d2h(group)
-            group.device_refs.append((t.detach(), version, copy))
+            group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
             else:
                 copies.append(copy)
             group.stats.bytes_offloaded += sent
-            name = _dtype_name(t.dtype)
+            dtype = t.dtype
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
             stats = self.stats
             if codec is not None:
                 name += " as fp8"
@@ -647,12 +695,15 @@ class Step:
                 stats.compress_bytes_after += sent
             by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
-        if id(copy) not in group.copies:
-            group.copies[id(copy)] = copy
+        elif copy.spec is not None:  # another tensor of the same storage, maybe the same one
+            whole = start == copy.start and copy.spec == (t.dtype, size, stride)
+        copies_of_group = group.copies
+        if id(copy) not in copies_of_group:
+            copies_of_group[id(copy)] = copy
             copy.users += 1
         copy.refs += 1
         group.live += 1
-        return Offloaded(self, group, copy, t, start - copy.start)
+        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start, whole)
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -743,15 +794,27 @@ class Step:
         stream = group.stream if group.stream is not None else backend.current_stream()  # type: ignore[union-attr]
         self._flush_d2h(None)
         todo = [c for c in group.copies.values() if c.buffer is None and c.host is not None]
-        buffers = self.buffers.take(backend, [c.end - c.start for c in todo], stream)  # type: ignore[arg-type]
-        pairs, waits = [], []
+        requests = [c.end - c.start if c.spec is None else c.spec for c in todo]
+        buffers = self.buffers.take(backend, requests, stream)  # type: ignore[arg-type]
+        pairs: list[Any] = []
+        waits: list[Any] = []  # the D2H event of each group that made one of the copies
+        groups = self.groups
+        owners: set[int] = set()
+        reloaded = 0
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
-            pairs.append((copy.host.tensor, buffer, copy.codec))  # type: ignore[union-attr]
-            owner = self.groups[copy.owner]
-            if owner.d2h_done is None and owner.device_refs:
-                owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
-            waits.append(owner.d2h_done)
+            host = copy.host
+            pairs.append(
+                (copy.host_view if copy.spec is not None else host.tensor, buffer, copy.codec)  # type: ignore[union-attr]
+            )
+            reloaded += host.length  # type: ignore[union-attr]
+            if copy.owner not in owners:  # one wait per event is enough
+                owners.add(copy.owner)
+                owner = groups[copy.owner]
+                if owner.d2h_done is None and owner.device_refs:
+                    owner.d2h_done = backend.record_d2h()  # type: ignore[union-attr]
+                if owner.d2h_done is not None:
+                    waits.append(owner.d2h_done)
         if pairs:
             event = backend.h2d(pairs, waits, stream, group.times)  # type: ignore[union-attr]
             for copy in todo:
@@ -759,7 +822,7 @@ class Step:
                 copy.stream = stream
                 copy.waited = False
                 copy.holders = copy.users  # kept until every user group is done
-                self.stats.bytes_reloaded += copy.host.tensor.numel()  # type: ignore[union-attr]
+            self.stats.bytes_reloaded += reloaded
             if event is not None:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
@@ -767,8 +830,10 @@ class Step:
     def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
         """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
         (Note [release order], 5)."""
-        with self.rt.lock:
-            self.rt.drain()
+        rt = self.rt
+        with rt.lock:
+            if rt.graveyard:
+                rt.drain()
             copy = handle.copy
             if copy.poison is not None:
                 raise RuntimeError(copy.poison)
@@ -778,6 +843,9 @@ class Step:
                     "that saved it raised an exception; run the forward again before "
                     "calling backward"
                 )
+            buffer = copy.buffer
+            if buffer is not None and copy.waited:  # reloaded and waited for: step 5 done
+                return buffer
             group = handle.group
             if copy.buffer is None:
                 self._reload(group)  # on demand
@@ -829,7 +897,8 @@ class Step:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
             if reuse and not self.backward_done:
-                self.buffers.give(copy.buffer)
+                spec = copy.spec
+                self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None
 
     # ---- handle death ----------------------------------------------------------------
@@ -839,7 +908,8 @@ class Step:
         rt = self.rt
         if rt.lock.acquire(blocking=False):
             try:
-                rt.drain()
+                if rt.graveyard:
+                    rt.drain()
                 self._retire(copy, group)
             finally:
                 rt.lock.release()
@@ -849,10 +919,12 @@ class Step:
     def _retire(self, copy: _Copy, group: _Group | None) -> None:
         copy.refs -= 1
         if copy.refs == 0:
-            self._drop_buffer(copy, reuse=not self.aborted)
+            if copy.buffer is not None:
+                self._drop_buffer(copy, reuse=not self.aborted)
             if copy.host is not None:
                 self.rt.pool.free(copy.host)
                 copy.host = None
+                copy.host_view = None
         if group is not None:
             group.live -= 1
             if group.live == 0:
