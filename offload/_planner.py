@@ -420,7 +420,9 @@ class Plan:
         >>> import torch, offload
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
         >>> p = offload.Plan(layers, ["checkpoint", "selective", "keep"])
-        >>> p.apply(); y = layers[2](layers[1](layers[0](torch.randn(2, 8))))
+        >>> p = p.apply()
+        >>> y = layers[2](layers[1](layers[0](torch.randn(2, 8, requires_grad=True))))
+        >>> y.sum().backward()
         >>> p.remove()
     """
 
