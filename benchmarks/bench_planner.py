@@ -51,7 +51,10 @@ Steps of the run:
    warmup=--plan-warmup, compress=--compress)``, once: it measures its own
    configurations and returns ``plan.costs`` (:class:`offload.PlanCosts`, the cost
    model). The plans for the budgets below are chosen from those costs with
-   ``offload._planner.optimize(costs, budget_bytes)``: the measuring happens once.
+   ``plan.replan(budget, step_fn=step, model=model)``: the measuring happens once, and
+   each budget's choice is checked as ``offload.plan(verify=True)`` checks it (the
+   fastest predicted plans applied in turn until one's measured peak fits; the checks
+   are in the JSON).
 3. For each budget: 75%, 50%, 25% of ``costs.activation_bytes`` (the planner's own
    measured activation peak without levers), and ``act peak`` of ``checkpoint 8``
    (checkpoint every layer) from step 1: the chosen plan is applied and measured.
@@ -609,7 +612,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             "best_single": best_single(rows, limit),
         }
         try:
-            levers = optimize(costs, limit)
+            if device.type == "cuda":  # as offload.plan(verify=True) chooses
+                chosen = base.replan(int(limit), step_fn=step, model=model)
+                levers = chosen.levers
+                row["checks"] = chosen.measured.get("checks", [])
+            else:
+                levers = optimize(costs, limit)
         except ValueError as exc:
             row |= {"levers": None, "error": str(exc), "measured": None}
             budgets.append(row)

@@ -56,7 +56,7 @@ import torch
 from offload import _auto
 from offload._plan import make_plan
 
-__all__ = ["LEVERS", "Plan", "PlanCosts", "optimize", "plan"]
+__all__ = ["LEVERS", "Plan", "PlanCosts", "candidates", "optimize", "plan"]
 
 #: The levers, in the order the search assigns them to layers.
 LEVERS = ("keep", "offload", "selective", "checkpoint")
@@ -251,7 +251,8 @@ def _family(L: int, k: int, c: int, s: int) -> list[str]:
 
 
 def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS) -> list[str]:
-    """The lever of each layer that meets ``budget_bytes`` at the least predicted time.
+    """The lever of each layer that meets ``budget_bytes`` at the least predicted time
+    (the first of :func:`candidates`).
 
     Args:
         costs: the cost model (:class:`PlanCosts`).
@@ -266,10 +267,20 @@ def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVE
         ValueError: no plan of the searched form fits; the message gives the smallest
             budget that does and the plan that reaches it.
     """
+    return candidates(costs, budget_bytes, levers)[0][1]
+
+
+def candidates(
+    costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS
+) -> list[tuple[float, list[str]]]:
+    """Every plan of the searched form whose predicted peak fits ``budget_bytes`` (for
+    each ``k`` offloaded and ``c`` checkpointed, the fewest selective layers that fit),
+    as ``(predicted seconds, levers)``, fastest first. Same arguments and errors as
+    :func:`optimize`."""
     allowed = set(_check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     ks = range(L) if "offload" in allowed else [0]  # the last layer is never offloaded
-    best: tuple[float, list[str]] | None = None
+    found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
     for k in ks:
         cs = range(L - k + 1) if "checkpoint" in allowed else [0]
@@ -291,17 +302,16 @@ def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVE
                 else:
                     lo = mid + 1
             candidate = _family(L, k, c, lo)
-            t = costs.seconds(candidate)
-            if best is None or t < best[0] - 1e-12:
-                best = (t, candidate)
-    if best is None:
+            found.append((costs.seconds(candidate), candidate))
+    if not found:
         assert smallest is not None
         raise ValueError(
             f"budget={budget_bytes / 2**30:.3f} GiB is below the smallest feasible "
             f"activation peak, {smallest[0] / 2**30:.3f} GiB (levers "
             f"{_summary(smallest[1])}); raise the budget or allow more levers"
         )
-    return best[1]
+    found.sort(key=lambda item: item[0])  # stable: ties keep the search order
+    return found
 
 
 def _summary(levers: Sequence[str]) -> str:
@@ -476,13 +486,23 @@ class Plan:
     def predicted_bytes(self) -> float | None:
         return None if self.costs is None else self.costs.memory(self.levers)
 
-    def replan(self, budget: int | float) -> Plan:
-        """A new plan for another ``budget`` from the same measured costs (no new
-        measurement; same layers, levers allowed, ``compress`` and ``min_tensor_bytes``).
+    def replan(
+        self,
+        budget: int | float,
+        *,
+        step_fn: Callable[[], Any] | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> Plan:
+        """A new plan for another ``budget`` from the same measured costs (same layers,
+        levers allowed, ``compress`` and ``min_tensor_bytes``).
 
         Args:
             budget: bytes (``int``) or a fraction of the activation peak without levers
                 (``float`` in ``(0, 1]``).
+            step_fn: with ``model``, check the choice as :func:`plan` does: apply the
+                fastest predicted plans in turn and keep the first whose measured peak
+                fits. Default ``None``: the model's choice, unchecked (no step runs).
+            model: the module whose forward runs the layers (with ``step_fn``).
 
         Raises:
             RuntimeError: the plan has no costs (made by hand).
@@ -493,15 +513,22 @@ class Plan:
         c = self.costs
         limit = _budget_bytes(budget, c.memory(["keep"] * c.num_layers))
         allowed = self.measured.get("levers", LEVERS)
-        return Plan(
-            self.layers,
-            optimize(c, limit, allowed),
-            costs=c,
-            budget_bytes=limit,
-            compress=self.compress,
-            min_tensor_bytes=self.min_tensor_bytes,
-            measured=self.measured,
-        )
+
+        def make(levers: list[str]) -> Plan:
+            return Plan(
+                self.layers,
+                levers,
+                costs=c,
+                budget_bytes=limit,
+                compress=self.compress,
+                min_tensor_bytes=self.min_tensor_bytes,
+                measured=dict(self.measured),
+            )
+
+        levers, checks = _verified(c, limit, allowed, make, step_fn, model)
+        chosen = make(levers)
+        chosen.measured["checks"] = checks
+        return chosen
 
     # ---- apply / remove --------------------------------------------------------------
 
@@ -711,6 +738,52 @@ def _fit(f: Callable[[float], float], target: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
+#: Plans :func:`plan` applies and measures, fastest predicted first, until one fits.
+VERIFY_CANDIDATES = 4
+
+
+def _verified(
+    costs: PlanCosts,
+    limit: float,
+    allowed: Sequence[str],
+    make: Callable[[list[str]], Plan],
+    step_fn: Callable[[], Any] | None,
+    model: torch.nn.Module | None,
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """The fastest predicted plan whose *measured* peak fits ``limit``: the model's
+    choice is applied and one step measured (after one warm-up); when its peak exceeds
+    the budget the next candidate is tried (at most :data:`VERIFY_CANDIDATES`). Without
+    ``step_fn`` the model's choice is returned unchecked."""
+    ranked = candidates(costs, limit, allowed)
+    if step_fn is None:
+        return ranked[0][1], []
+    checks: list[dict[str, Any]] = []
+    for predicted, levers in ranked[:VERIFY_CANDIDATES]:
+        trial = make(levers).apply(model)
+        try:
+            got = _run(step_fn, 1, 1)
+        finally:
+            trial.remove()
+        checks.append(
+            {
+                "levers": levers,
+                "predicted_seconds": predicted,
+                "predicted_bytes": costs.memory(levers),
+                "measured_seconds": got["seconds"],
+                "measured_bytes": got["peak_bytes"],
+                "fits": got["peak_bytes"] <= limit,
+            }
+        )
+        if got["peak_bytes"] <= limit:
+            return levers, checks
+    worst = min(checks, key=lambda c: c["measured_bytes"])
+    raise ValueError(
+        f"budget={limit / 2**30:.3f} GiB: the {len(checks)} fastest plans predicted to fit "
+        f"measured above it (lowest {worst['measured_bytes'] / 2**30:.3f} GiB, levers "
+        f"{_summary(worst['levers'])}); raise the budget"
+    )
+
+
 def _budget_bytes(budget: Any, activation_bytes: float) -> float:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
@@ -740,6 +813,7 @@ def plan(
     min_tensor_bytes: int = 256 * 1024,
     steps: int = 3,
     warmup: int = 1,
+    verify: bool = True,
 ) -> Plan:
     """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
     least predicted step time (the model and the search: ``offload/_planner.py``).
@@ -767,6 +841,9 @@ def plan(
         steps: measured steps per configuration (>= 1). Default ``3``.
         warmup: unmeasured steps before them (>= 1: the first step of a fresh model
             allocates its gradients, which must not count as activations). Default ``1``.
+        verify: apply the fastest predicted plan, measure one step (after a warm-up)
+            and, when its peak exceeds the budget (the model errs by a few percent),
+            try the next one, up to :data:`VERIFY_CANDIDATES`. Default ``True``.
 
     The activation peak is measured above what is allocated before each step, gradients
     included (they accumulate across the planner's steps). A loop that sets gradients
@@ -780,7 +857,8 @@ def plan(
     Raises:
         TypeError: a wrong type (``step_fn`` not callable, ``budget`` not a number).
         ValueError: a bad value; no ``model``; a budget no plan meets (the message
-            gives the smallest that one does).
+            gives the smallest that one does), or none of the plans tried measured
+            within it.
         RuntimeError: no CUDA device (the planner measures device time and memory).
 
     Example::
@@ -911,13 +989,19 @@ def plan(
             )
     costs = model_costs(**fitted)
     limit = _budget_bytes(budget, base_m)
-    chosen = optimize(costs, limit, allowed)
-    return Plan(
-        layers,
-        chosen,
-        costs=costs,
-        budget_bytes=limit,
-        compress=compress,
-        min_tensor_bytes=min_tensor_bytes,
-        measured={"configs": configs, "fitted": fitted, "levers": list(allowed)},
-    )
+
+    def make(levers: list[str]) -> Plan:
+        return Plan(
+            layers,
+            levers,
+            costs=costs,
+            budget_bytes=limit,
+            compress=compress,
+            min_tensor_bytes=min_tensor_bytes,
+            measured={"configs": configs, "fitted": fitted, "levers": list(allowed)},
+        )
+
+    levers, checks = _verified(costs, limit, allowed, make, step_fn if verify else None, model)
+    chosen = make(levers)
+    chosen.measured["checks"] = checks
+    return chosen

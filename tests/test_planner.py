@@ -331,3 +331,32 @@ def test_cli_plan_flags(capsys) -> None:
     if not torch.cuda.is_available():
         assert main(["plan", "--budget", "0.5", "--device", "cpu"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeypatch) -> None:
+    """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
+    applied and measured; one whose measured peak exceeds the budget is passed over."""
+    c = _costs(L=4, bps=1e15)
+    budget = c.memory(["keep"] * 4) * 0.6
+    ranked = _planner.candidates(c, budget)
+    assert len(ranked) > 1 and ranked[0][0] <= ranked[1][0]
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+    base = Plan(layers, ["keep"] * 4, costs=c, budget_bytes=None, min_tensor_bytes=0)
+    measured = iter([budget * 1.05, budget * 0.99])  # the first choice measures over
+
+    def fake_run(step_fn, steps, warmup):
+        step_fn()
+        return {"seconds": 1.0, "peak_bytes": next(measured)}
+
+    monkeypatch.setattr(_planner, "_run", fake_run)
+    calls = []
+    got = base.replan(
+        int(budget), step_fn=lambda: calls.append(1), model=torch.nn.Sequential(*layers)
+    )
+    assert got.levers == ranked[1][1]
+    checks = got.measured["checks"]
+    assert [ch["fits"] for ch in checks] == [False, True] and len(calls) == 2
+    assert not any("forward" in layer.__dict__ for layer in layers)  # trials removed
+    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget})
+    with pytest.raises(ValueError, match="measured above it"):
+        base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))

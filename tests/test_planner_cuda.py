@@ -39,7 +39,7 @@ def _grads(model, x):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.3])
+@pytest.mark.parametrize("fraction", [0.6, 0.45])
 def test_plan_measures_fits_and_trains_bitwise(fraction: float) -> None:
     torch.manual_seed(0)
     model = ReferenceModel(6, 1024, 8, 2816, device="cuda", dtype=torch.bfloat16)
