@@ -12,7 +12,7 @@ so the host memory follows the OS's first-touch placement. Columns: per-rank GB/
 way (median of the repeats, CUDA events), their sum, and each GPU's NUMA node as the
 platform reports it (``/sys/bus/pci/devices/<bus id>/numa_node``; -1 or n/a when it does
 not say). This is the link share every rank gets before a model runs (the first part of
-the several-GPU benchmark; the FSDP2 step benchmark is not written yet).
+the several-GPU benchmark; the FSDP2 step benchmark is ``bench_multigpu.py``).
 """
 
 from __future__ import annotations
