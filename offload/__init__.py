@@ -11,8 +11,11 @@ from offload._profile import MemoryProfile, profile_step
 from offload.activations import (
     ActivationOffloader,
     AttachHandle,
+    ManualOffloadSynchronizer,
     get_cpu_offload_context,
+    mark_not_offload,
     no_offload,
+    start_offload,
 )
 from offload.config import OffloadConfig
 from offload.integrations.hf import find_layers
@@ -27,7 +30,11 @@ __all__ = [
     "AttachHandle",
     "OffloadConfig",
     "no_offload",
+    # TransformerEngine-compatible API
     "get_cpu_offload_context",
+    "ManualOffloadSynchronizer",
+    "mark_not_offload",
+    "start_offload",
     # checkpointing: checkpoint inputs in host memory
     "checkpoint",
     "CheckpointOffloader",

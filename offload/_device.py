@@ -226,11 +226,17 @@ class CudaBackend(Backend):
 
     is_async = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         super().__init__(device)
-        with torch.cuda.device(device):
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
+        if stream is None:
+            with torch.cuda.device(device):
+                self.d2h_stream = torch.cuda.Stream(device)
+                self.h2d_stream = torch.cuda.Stream(device)
+        else:
+            # A caller's stream (get_cpu_offload_context(offload_stream=...)) carries both
+            # directions, as in TransformerEngine: every ordering below still holds (each
+            # copy waits for the same events; the two directions are merely serialized).
+            self.d2h_stream = self.h2d_stream = stream
         # One event re-recorded for every copy: a wait enqueued on a stream waits for
         # the record made before it, so recording again later is safe, and saves an
         # event creation per saved tensor (the hot path).
@@ -368,8 +374,21 @@ class CudaBackend(Backend):
         return stream.record_event()
 
 
-def backend_for(device: torch.device) -> Backend:
-    """The backend that moves tensors living on ``device``."""
+def backend_for(device: torch.device, stream: torch.cuda.Stream | None = None) -> Backend:
+    """The backend that moves tensors living on ``device``; ``stream``: a CUDA stream of
+    that device to carry every copy (``None``: the backend makes its own streams)."""
+    if stream is not None:
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"offload_stream is a CUDA stream, but the saved tensors live on {device}; "
+                f"pass offload_stream=None for tensors that are not on a CUDA device"
+            )
+        if stream.device != device:
+            raise RuntimeError(
+                f"offload_stream belongs to {stream.device}, but the saved tensors live on "
+                f"{device}; create the stream on the device the layers run on"
+            )
+        return CudaBackend(device, stream)
     if device.type == "cuda":
         return CudaBackend(device)
     return SyncBackend(device)

@@ -13,6 +13,9 @@ Handle kinds, cheapest first:
   the schedule has not, and its death returns the host block (Note [release order], 7).
 * :class:`Pending` -- saved between two layer calls; it becomes one of the above when
   the next group opens (or is kept when the forward ends).
+* :class:`Held` -- manual mode (``get_cpu_offload_context(manual_synchronization=
+  True)``): kept on the device until ``start_offload_layer`` turns it into one of the
+  above; never started, it stays kept.
 * :class:`PackedSubclass`, :class:`PackedQuantized`, :class:`Raw` -- wrapper tensor
   subclasses and TransformerEngine quantized tensors, whose parts are packed one by one.
 """
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from offload._scheduler import Step, _Copy, _Group
 
 __all__ = [
+    "Held",
     "Kept",
     "Offloaded",
     "PackedQuantized",
@@ -116,6 +120,13 @@ class Pending:
 
     def unpack(self) -> torch.Tensor:
         return self.inner.unpack()
+
+
+class Held(Pending):
+    """Manual mode: on the device until its layer's ``start_offload_layer``. The group
+    lists it by weak reference only (autograd owns it)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class PackedSubclass:

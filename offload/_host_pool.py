@@ -130,14 +130,21 @@ class HostPool:
         min_slab: smallest slab asked for (rounded up to a power of two). Default
             ``None``: :data:`MIN_SLAB_BYTES` (the weight offloader passes a larger one, so
             that many weights share a slab).
+        retain: never give a slab back before :meth:`close` (``True``: host addresses
+            stay valid across steps, e.g. for CUDA graphs; a request that only fits by
+            returning empty slabs is refused instead). Default ``False``: when over
+            budget, empty slabs too small for a request are returned first.
 
     Invariants: ``in_use_bytes <= reserved_bytes <= limit``; a block is handed out to one
     owner at a time; ``close()`` returns every slab to the system.
     """
 
-    def __init__(self, limit: int | None, pin: bool, min_slab: int | None = None) -> None:
+    def __init__(
+        self, limit: int | None, pin: bool, min_slab: int | None = None, retain: bool = False
+    ) -> None:
         self.limit = default_host_limit() if limit is None else int(limit)
         self.pin = pin
+        self.retain = retain
         self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
         self._slabs: list[_Slab] = []
         self._lock = threading.Lock()
@@ -179,10 +186,12 @@ class HostPool:
         size = max(floor, _next_pow2(nbytes))
         if self.reserved_bytes + size > self.limit:
             # Empty slabs that are too small for this request are worth less than one
-            # that fits: return them first.
-            for slab in [s for s in self._slabs if s.used == 0]:
-                self._slabs.remove(slab)
-                self.reserved_bytes -= slab.size
+            # that fits: return them first (never with ``retain``: host addresses must
+            # stay valid until close()).
+            if not self.retain:
+                for slab in [s for s in self._slabs if s.used == 0]:
+                    self._slabs.remove(slab)
+                    self.reserved_bytes -= slab.size
             if self.reserved_bytes + size > self.limit:
                 size = _next_pow2(nbytes)
                 if self.reserved_bytes + size > self.limit:

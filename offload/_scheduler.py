@@ -77,6 +77,21 @@ event that follows its last reader (``_Staging.free``).
    autograd's ``queue_callback``), or at the next forward for a step whose graph died
    without a backward. Nothing of a step outlives that but its stats.
 
+*Manual mode* (``get_cpu_offload_context(manual_synchronization=True)``,
+``Step.manual``) changes who triggers the steps, not what each one waits for. Step 1 is
+deferred: a save is held on the device (``Held``, a weak entry in ``_Group.held``) until
+the caller's ``start_offload_layer`` for that layer and forward, which places it then
+and issues its copy behind the compute stream's work queued so far (4.1(a) holds: the
+producing kernels are queued before the call) and records the group's D2H event (step
+2). Step 3 runs only on ``release_activation_forward_gpu_memory``, never on a schedule
+and never at the end of the forward; it is the same ``_release``, so the compute stream
+waits for that event before any device reference is dropped (4.1(b)). Step 4 runs on
+``start_reload_layer`` (the same ``_reload``), or on demand at the first unpack (step
+5) when the caller skipped it. A started group whose handles all die unreleased is
+released then (``_retire``), after the same wait. The synchronizer checks the order per
+layer (start, release, reload; once each) and raises otherwise; several forwards can be
+in flight, each with its own groups.
+
 An exception inside the forward (``Step.abort``) waits for the outstanding D2H copies on
 the compute stream, drops every device reference and returns every host block at once;
 the failed forward's graph can no longer be unpacked.
@@ -88,6 +103,7 @@ import collections
 import functools
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -97,6 +113,7 @@ from offload import _compress, _packing, _placement, _timing
 from offload._buffers import ReloadBuffers
 from offload._device import Backend, backend_for
 from offload._handles import (
+    Held,
     Kept,
     Offloaded,
     PackedQuantized,
@@ -165,6 +182,17 @@ def _elapsed(a: Any, b: Any) -> float:
         return b - a
     b.synchronize()
     return a.elapsed_time(b) / 1e3
+
+
+def _base_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The byte span of ``t``'s base when ``offload.start_offload(...,
+    offload_base_tensor=True)`` marked the view ``t`` (TransformerEngine's attribute)."""
+    d = t.__dict__
+    if d and d.get("offload_base_tensor"):
+        base = t._base
+        if base is not None:
+            return _packing.span(base)
+    return None
 
 
 def _remove_all(hooks: list[Any]) -> None:
@@ -264,6 +292,8 @@ class _Group:
         "times",
         "marks",
         "candidates",
+        "held",
+        "phase",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -286,6 +316,11 @@ class _Group:
         self.times: list[tuple[Any, ...]] | None = None  # timing records (timing=True)
         self.marks: dict[str, Any] | None = None  # probe: f0/f1/b0/b1 time marks
         self.candidates: dict[int, int] | None = None  # probe: storage -> bytes
+        #: manual mode: saves waiting for start_offload_layer: (weakref to the Held
+        #: handle, span start, span end, base span or None, bytes counted not_selected)
+        self.held: list[tuple[Any, int, int, tuple[int, int] | None, int]] = []
+        #: manual mode: "saved", "offload_started", "released", "reload_started"
+        self.phase = "saved"
 
 
 # --------------------------------------------------------------------------------------
@@ -295,8 +330,14 @@ class _Group:
 class Runtime:
     """State shared by every forward of one offloader: config, pool, backends, lock."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self, config: Any, *, offload_stream: Any = None, retain_host: bool = False
+    ) -> None:
         self.config = config
+        #: get_cpu_offload_context(offload_stream=...): the CUDA stream of every copy
+        self.offload_stream = offload_stream
+        #: get_cpu_offload_context(retain_pinned_cpu_buffers=True): slabs are kept
+        self.retain_host = retain_host
         self.lock = threading.Lock()
         self._pool: HostPool | None = None
         self._backends: dict[torch.device, Backend] = {}
@@ -306,13 +347,15 @@ class Runtime:
     @property
     def pool(self) -> HostPool:
         if self._pool is None:
-            self._pool = HostPool(self.config.host_memory_limit, self.config.pin_memory)
+            self._pool = HostPool(
+                self.config.host_memory_limit, self.config.pin_memory, retain=self.retain_host
+            )
         return self._pool
 
     def backend(self, device: torch.device) -> Backend:
         b = self._backends.get(device)
         if b is None:
-            b = self._backends[device] = backend_for(device)
+            b = self._backends[device] = backend_for(device, self.offload_stream)
         return b
 
     def drain(self) -> None:
@@ -368,6 +411,10 @@ class Step:
         #: (one stream switch and one wait per batch) and always before a group closes
         self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
         self.compress = self.cfg.compress is not None
+        #: get_cpu_offload_context(manual_synchronization=True): saves are held until
+        #: start_offload_layer, and nothing is released or reloaded on a schedule
+        #: (Note [release order], "Manual mode")
+        self.manual = False
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -474,7 +521,7 @@ class Step:
                 self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
             for group in self.groups:
-                if group.offload and not group.released:
+                if group.offload and not group.released and not self.manual:
                     if not group.closed and group.device_refs and self.backend is not None:
                         group.d2h_done = self.backend.record_d2h()
                     self._release(group)
@@ -622,7 +669,24 @@ class Step:
                     size = _compress.packed_nbytes(size // t.element_size())
                 group.candidates[key] = max(group.candidates.get(key, 0), size)
             return self._keep("not_selected", group, t)
+        if self.manual and group.phase == "saved":
+            # the held alias will have no _base: take the base's span now
+            return self._hold(t, group, start, end, _base_span(t))
+        return self._copy(t, group, storage, start, end, None)
 
+    def _copy(
+        self,
+        t: torch.Tensor,
+        group: _Group,
+        storage: Any,
+        start: int,
+        end: int,
+        wide: tuple[int, int] | None,
+    ) -> Kept | Offloaded:
+        """Start the copy of bytes ``[start, end)`` of ``t``'s storage (or find the copy
+        that already holds them) and return its handle (lock held). ``wide``: the span of
+        the base of a view marked ``offload_base_tensor`` (``None``: looked up on ``t``)."""
+        nbytes = end - start
         version = t._version
         key = storage._cdata
         copies = self.storages.get(key)
@@ -652,6 +716,11 @@ class Step:
             total = storage.nbytes()
             if 2 * nbytes >= total:
                 c_start, c_end = 0, total
+            else:
+                if wide is None:
+                    wide = _base_span(t)
+                if wide is not None:
+                    c_start, c_end = min(wide[0], start), max(wide[1], end)
             span_bytes = c_end - c_start
             codec = self._codec(t, c_start, c_end) if self.compress else None
             sent = span_bytes
@@ -766,6 +835,82 @@ class Step:
             if copy.ref.expired():  # type: ignore[union-attr]
                 freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
         group.stats.bytes_released += sum(freed.values())
+
+    # ---- manual mode (get_cpu_offload_context(manual_synchronization=True)) -----------
+
+    def _hold(
+        self, t: torch.Tensor, group: _Group, start: int, end: int, wide: tuple[int, int] | None
+    ) -> Held:
+        """Keep ``t`` on the device until ``start_offload_layer`` (lock held). Counted as
+        ``not_selected`` until then: a layer that is never started is not offloaded."""
+        handle = Held(Kept(t))
+        nbytes = _nbytes(t)
+        group.held.append((weakref.ref(handle), start, end, wide, nbytes))
+        group.stats.bytes_kept["not_selected"] += nbytes
+        return handle
+
+    def manual_start(self, group: _Group) -> None:
+        """``start_offload_layer``: start the copies of the group's held saves, issue
+        them, and record the group's D2H event (Note [release order], 1-2)."""
+        with self.rt.lock:
+            self.rt.drain()
+            had_copies = bool(group.copies)
+            group.phase = "offload_started"
+            held, group.held = group.held, []
+            kept = group.stats.bytes_kept
+            for ref, start, end, wide, nbytes in held:
+                kept["not_selected"] -= nbytes
+                self._start_held(ref(), group, start, end, wide)
+            self._flush_d2h(group)
+            if group.device_refs and self.backend is not None:
+                group.d2h_done = self.backend.record_d2h()
+            if group.copies and not had_copies and self.forward_done:
+                self.awaiting += 1
+                self.backward_done = False
+
+    def _start_held(
+        self,
+        handle: Held | None,
+        group: _Group,
+        start: int,
+        end: int,
+        wide: tuple[int, int] | None,
+    ) -> None:
+        if handle is None:  # its graph is gone
+            return
+        inner = handle.inner
+        t = inner.tensor  # type: ignore[union-attr]
+        if t._version != inner.version:  # type: ignore[union-attr]
+            return  # changed in place since it was saved: Kept.unpack raises
+        handle.inner = self._copy(t, group, t.untyped_storage(), start, end, wide)
+
+    def manual_release(self, group: _Group) -> None:
+        """``release_activation_forward_gpu_memory``: Note [release order], 3."""
+        with self.rt.lock:
+            self.rt.drain()
+            group.phase = "released"
+            self._release(group)
+
+    def manual_reload(self, group: _Group) -> None:
+        """``start_reload_layer``: Note [release order], 4."""
+        with self.rt.lock:
+            self.rt.drain()
+            group.phase = "reload_started"
+            if not group.reloaded:
+                self._reload(group)
+
+    def flush_for(self, tensors: list[torch.Tensor]) -> bool:
+        """``offload.start_offload``: issue the queued D2H copies now if one of them
+        reads the storage of one of ``tensors``; returns whether it did."""
+        with self.rt.lock:
+            queue = self.d2h_queue
+            if not queue:
+                return False
+            keys = {t.untyped_storage()._cdata for t in tensors}
+            if not any(src.untyped_storage()._cdata in keys for src, _, _ in queue):
+                return False
+            self._flush_d2h(self.open)
+            return True
 
     # ---- backward --------------------------------------------------------------------
 
@@ -928,6 +1073,10 @@ class Step:
         if group is not None:
             group.live -= 1
             if group.live == 0:
+                if self.manual and not group.released and self.forward_done:
+                    # manual mode, never released: nothing reads the device bytes any
+                    # more; drop them once the copy that reads them is waited for
+                    self._release(group)
                 self._drop(group)
 
     # ---- measuring forwards (offload_layers="auto") ------------------------------------

@@ -12,14 +12,22 @@ from typing import Any
 
 import torch
 
+from offload import _packing
 from offload._handles import unpack_hook
-from offload._plan import check_selection, plan_forward
+from offload._plan import Plan, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
 from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
 from offload.profiling import OffloadStats
 
-__all__ = ["ActivationOffloader", "no_offload", "get_cpu_offload_context"]
+__all__ = [
+    "ActivationOffloader",
+    "ManualOffloadSynchronizer",
+    "get_cpu_offload_context",
+    "mark_not_offload",
+    "no_offload",
+    "start_offload",
+]
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
@@ -586,16 +594,51 @@ class no_offload(contextlib.ContextDecorator):
 
 
 class _ManualContext:
-    """One ``with`` entry = one group; ``model_layers`` entries make one forward."""
+    """One ``with`` entry = one group; ``model_layers`` entries make one forward.
 
-    def __init__(self, num_layers: int, model_layers: int, config: OffloadConfig) -> None:
+    ``manual=True`` (``manual_synchronization=True``): every group is held for the
+    :class:`ManualOffloadSynchronizer`; nothing is released or reloaded on a schedule."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        model_layers: int,
+        config: OffloadConfig,
+        *,
+        manual: bool = False,
+        offload_stream: Any = None,
+        retain_pinned_cpu_buffers: bool = False,
+    ) -> None:
         self.num_layers = num_layers
         self.model_layers = model_layers
-        self.runtime = Runtime(config)
+        self.runtime = Runtime(
+            config, offload_stream=offload_stream, retain_host=retain_pinned_cpu_buffers
+        )
         self.config = config
+        self.manual = manual
         self.step: Step | None = None
+        self.forwards = 0  # forwards started so far; the latest is number forwards - 1
+        #: manual mode: the forwards the synchronizer can still name, by number
+        self.by_number: dict[int, Step] = {}
         self._unfinished: list[Step] = []
         self._hooks: Any = None
+
+    def _new_forward(self) -> Step:
+        if self.manual:
+            n = self.model_layers
+            every = frozenset(range(n))
+            plan = Plan(n, every, {}, {}, lambda i, m: True)  # no release, no reload point
+        else:
+            plan = plan_forward(
+                self.num_layers, [None] * self.model_layers, self.config.prefetch_layers
+            )
+        step = self.step = Step(self.runtime, plan)
+        if self.manual:
+            step.manual = True
+            self.by_number = {k: v for k, v in self.by_number.items() if not _forward_over(v)}
+            self.by_number[self.forwards] = step
+        self.forwards += 1
+        return step
 
     def __enter__(self) -> _ManualContext:
         _claim_thread(self, "get_cpu_offload_context() context")
@@ -606,10 +649,7 @@ class _ManualContext:
                 if step is not None:
                     self._unfinished.append(step)
                 self._unfinished = _prune(self._unfinished)
-                plan = plan_forward(
-                    self.num_layers, [None] * self.model_layers, self.config.prefetch_layers
-                )
-                step = self.step = Step(self.runtime, plan)
+                step = self._new_forward()
             self._hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, unpack_hook)
             self._hooks.__enter__()
             step.open_group(None)
@@ -649,6 +689,190 @@ class _ManualContext:
         return OffloadStats() if step is None else step.read_stats()
 
 
+def _forward_over(step: Step) -> bool:
+    """A manual-mode forward with nothing left to move: it ended, and no tensor it saved
+    is alive (its backward ran, its graph was freed, or nothing it saved qualified)."""
+    if step.aborted:
+        return True
+    if not step.forward_done:
+        return False
+    for g in step.groups:
+        if g.live or g.device_refs or any(ref() is not None for ref, *_ in g.held):
+            return False
+    return True
+
+
+_PHASE_NEEDED = {
+    "start_offload_layer": ("saved", "no offload was started for it"),
+    "release_activation_forward_gpu_memory": (
+        "offload_started",
+        "start_offload_layer was called for it and it was not released yet",
+    ),
+    "start_reload_layer": (
+        "released",
+        "release_activation_forward_gpu_memory was called for it and no reload started",
+    ),
+}
+
+
+class ManualOffloadSynchronizer:
+    """The third value of ``get_cpu_offload_context(..., manual_synchronization=True)``:
+    the caller decides when each layer's activations are copied out, freed on the device
+    and brought back (TransformerEngine's ``ManualOffloadSynchronizer``).
+
+    In this mode every save of a layer stays on the device (counted ``not_selected``)
+    until :meth:`start_offload_layer` names the layer; a layer never named is never
+    offloaded. Then, per layer and forward, in this order and once each:
+
+    1. :meth:`start_offload_layer` -- allocate host blocks for its saves and issue their
+       device-to-host copies (after the work queued so far on the compute stream);
+       record the event that marks their end.
+    2. :meth:`release_activation_forward_gpu_memory` -- the compute stream waits for
+       that event (the host does not), then the device references are dropped: the
+       caching allocator may reuse the blocks for later kernels, which run behind the
+       wait.
+    3. :meth:`start_reload_layer` -- issue the host-to-device copies into fresh buffers;
+       each saved tensor's first unpack in the backward makes the compute stream wait
+       for its copy.
+
+    Skipping step 2 keeps the device copies (its saves are then reloaded on demand if
+    step 3 is skipped too); skipping step 3 reloads on demand at the first unpack.
+
+    ``layer_id`` is the position of the ``with`` entry within its forward (0 to
+    ``model_layers - 1``). ``forward`` picks the forward: ``None`` (default) the latest
+    one started, else its number (:attr:`forward` was that number while it ran; forwards
+    are numbered from 0 in the order they start). Several forwards can be in flight at
+    once (pipeline schedules such as 1F1B): each has its own layers. A forward none of
+    whose saved tensors is alive any more (its backward ran, its graph was freed, or
+    nothing it saved qualified) is over: calls naming it do nothing.
+
+    Raises (each method):
+        TypeError: ``layer_id`` or ``forward`` is not an int.
+        ValueError: ``layer_id`` is outside ``[0, model_layers)``, or ``forward`` names
+            a forward that has not started.
+        RuntimeError: the layer has not run yet in that forward, or is still running
+            (inside its ``with`` block); or the call is out of order (a second start, a
+            release before the start, a reload before the release).
+    """
+
+    def __init__(self, ctx: _ManualContext) -> None:
+        self._ctx = ctx
+
+    @property
+    def offload_stream(self) -> Any:
+        """The ``offload_stream`` given to :func:`get_cpu_offload_context` (``None``:
+        the copies use streams of their own)."""
+        return self._ctx.runtime.offload_stream
+
+    @property
+    def forward(self) -> int | None:
+        """The number of the latest forward started (``None`` before the first)."""
+        n = self._ctx.forwards
+        return n - 1 if n else None
+
+    def _find(self, what: str, layer_id: Any, forward: Any) -> tuple[Step, Any] | None:
+        ctx = self._ctx
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(
+                f"{what}: layer_id must be an int; got {type(layer_id).__name__} {layer_id!r}"
+            )
+        if not 0 <= layer_id < ctx.model_layers:
+            raise ValueError(
+                f"{what}: layer_id={layer_id} is out of range; accepted: 0 <= layer_id < "
+                f"model_layers={ctx.model_layers}"
+            )
+        if forward is None:
+            if ctx.forwards == 0:
+                raise RuntimeError(
+                    f"{what}({layer_id}): no forward has started yet; call it after layer "
+                    f"{layer_id}'s `with` block"
+                )
+            forward = ctx.forwards - 1
+        elif isinstance(forward, bool) or not isinstance(forward, int):
+            raise TypeError(
+                f"{what}: forward must be an int or None; got {type(forward).__name__} {forward!r}"
+            )
+        elif not 0 <= forward < ctx.forwards:
+            raise ValueError(
+                f"{what}: forward={forward} has not started; accepted: 0 <= forward < "
+                f"{ctx.forwards} (the forwards started so far)"
+            )
+        step = ctx.by_number.get(forward)
+        if step is None or (step is not ctx.step and _forward_over(step)):
+            return None
+        if layer_id >= len(step.groups):
+            raise RuntimeError(
+                f"{what}({layer_id}): layer {layer_id} of forward {forward} has not run yet "
+                f"({len(step.groups)} of its {ctx.model_layers} layers ran)"
+            )
+        group = step.groups[layer_id]
+        if not group.closed:
+            raise RuntimeError(
+                f"{what}({layer_id}): layer {layer_id} of forward {forward} is still running; "
+                f"call it after the layer's `with` block"
+            )
+        needed, meaning = _PHASE_NEEDED[what]
+        if group.phase != needed:
+            raise RuntimeError(
+                f"{what}({layer_id}) out of order: layer {layer_id} of forward {forward} is "
+                f"in state {group.phase!r}; this call needs {needed!r} ({meaning}). Order "
+                f"per layer: start_offload_layer, release_activation_forward_gpu_memory, "
+                f"start_reload_layer, once each"
+            )
+        return step, group
+
+    def state(self, layer_id: int, forward: int | None = None) -> str:
+        """Where layer ``layer_id`` of a forward stands: ``"saved"`` (nothing started),
+        ``"offload_started"``, ``"released"``, ``"reload_started"``; ``"over"`` for a
+        forward that is over, ``"not_run"`` for a layer that has not run yet."""
+        ctx = self._ctx
+        n = ctx.forwards - 1 if forward is None else forward
+        step = ctx.by_number.get(n)
+        if step is None or (step is not ctx.step and _forward_over(step)):
+            return "over"
+        if not 0 <= layer_id < len(step.groups):
+            return "not_run"
+        return step.groups[layer_id].phase
+
+    def stats(self, forward: int | None = None) -> OffloadStats:
+        """The :class:`OffloadStats` of a forward (default: the latest one started)."""
+        ctx = self._ctx
+        n = ctx.forwards - 1 if forward is None else forward
+        step = ctx.by_number.get(n)
+        return OffloadStats() if step is None else step.read_stats()
+
+    def start_offload_layer(self, layer_id: int, *, forward: int | None = None) -> None:
+        """Issue the device-to-host copies of layer ``layer_id``'s saved tensors.
+
+        They start after the work queued so far on the compute stream (so after every
+        kernel that wrote them) on the copy stream (``offload_stream`` when given), and
+        an event is recorded after them. Call it after the layer's ``with`` block."""
+        found = self._find("start_offload_layer", layer_id, forward)
+        if found is not None:
+            step, group = found
+            step.manual_start(group)
+
+    def release_activation_forward_gpu_memory(
+        self, layer_id: int, *, forward: int | None = None
+    ) -> None:
+        """Free layer ``layer_id``'s saved tensors on the device: the compute stream
+        (where the layer ran) waits for the copies' event, then the device references are
+        dropped. The host does not wait."""
+        found = self._find("release_activation_forward_gpu_memory", layer_id, forward)
+        if found is not None:
+            step, group = found
+            step.manual_release(group)
+
+    def start_reload_layer(self, layer_id: int, *, forward: int | None = None) -> None:
+        """Issue the host-to-device copies of layer ``layer_id``'s offloaded tensors into
+        fresh device buffers; the backward's first use of each waits for its copy on
+        the compute stream."""
+        found = self._find("start_reload_layer", layer_id, forward)
+        if found is not None:
+            step, group = found
+            step.manual_reload(group)
+
+
 def _prune(steps: list[Step]) -> list[Step]:
     """Remove the hooks of the finished steps (their backward ran, or their graph is
     gone) and return the others, whose backward is still to come."""
@@ -667,13 +891,18 @@ def _identity(x: Any) -> Any:
 
 def get_cpu_offload_context(
     enabled: bool = False,
-    num_layers: int = 1,
+    num_layers: int | None = 1,
     model_layers: int = 1,
     offload_activations: bool = True,
     offload_weights: bool = False,
     double_buffering: bool = False,
-) -> tuple[Any, Callable[[Any], Any]]:
-    """TransformerEngine-style manual offloading: ``(context, sync)``.
+    *,
+    retain_pinned_cpu_buffers: bool = False,
+    manual_synchronization: bool = False,
+    offload_stream: Any = None,
+) -> tuple[Any, ...]:
+    """TransformerEngine-style manual offloading: ``(context, sync)``, or ``(context,
+    sync, synchronizer)`` with ``manual_synchronization=True``.
 
     Each ``with context:`` entry is one group (one layer); after ``model_layers``
     entries the next entry starts a new forward. The first ``num_layers`` groups of each
@@ -681,21 +910,55 @@ def get_cpu_offload_context(
     ``x = sync(x)`` on each layer's output after its ``with`` block: it marks the group
     boundary for the backward (reload triggers) and returns ``x`` itself.
 
+    With ``manual_synchronization=True`` there is no schedule: the third value, a
+    :class:`ManualOffloadSynchronizer`, starts each layer's copies, releases its device
+    memory and starts its reload when the caller says (``start_offload_layer``,
+    ``release_activation_forward_gpu_memory``, ``start_reload_layer``), for the latest
+    forward or a given one, so several forwards can be in flight (pipeline schedules).
+
     Args:
-        enabled: ``False`` (default) returns ``(contextlib.nullcontext(), identity)``.
+        enabled: ``False`` (default) returns ``(contextlib.nullcontext(), identity)``
+            (and ``None`` as the third value with ``manual_synchronization=True``).
         num_layers: groups offloaded per forward; ``0 <= num_layers <= model_layers - 1``.
-            Default 1.
+            Default 1. Ignored with ``manual_synchronization=True`` (may be ``None``).
         model_layers: groups per forward. Default 1.
         offload_activations: offload saved activations. Default ``True``.
         offload_weights: also offload the weights of the modules called inside the
             first ``num_layers`` groups, with an :class:`offload.WeightOffloader`
             (``context.weights``) that adopts each module at its first call. Default
-            ``False``.
+            ``False``. With ``manual_synchronization=True`` it has no effect (a warning
+            says so; TransformerEngine 2.10 ignores it always).
         double_buffering: as in :class:`ActivationOffloader`. Default ``False``.
+        retain_pinned_cpu_buffers: keyword-only. ``True``: the host pool never gives a
+            slab back before the context is dropped, so host addresses stay valid from
+            one step to the next (what CUDA graphs need); a tensor that would only fit
+            by returning empty slabs stays on the device instead (reason
+            ``host_limit``). ``False`` (default): the pool still keeps its slabs across
+            steps, but when over ``host_memory_limit`` it returns empty slabs too small
+            for a request and takes one that fits. (TransformerEngine allocates pinned
+            buffers per tensor and frees them after each reload unless this is set;
+            our pool reuses its slabs in both cases.)
+        manual_synchronization: keyword-only. ``True``: return ``(context, sync,
+            synchronizer)``; nothing is offloaded, released or reloaded unless the
+            synchronizer says so (``num_layers`` is ignored). Default ``False``.
+        offload_stream: keyword-only. A ``torch.cuda.Stream`` on the layers' device that
+            carries every device-to-host and host-to-device copy (both directions, as in
+            TransformerEngine), so the caller can synchronize with it (``wait_stream``,
+            events, ``offload_stream.synchronize()``). Only with
+            ``manual_synchronization=True``. Default ``None``: the copies use streams of
+            their own.
+
+    Returns:
+        ``(context, sync)``; with ``manual_synchronization=True``, ``(context, sync,
+        synchronizer)``.
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: ``num_layers`` or ``model_layers`` is out of range.
+        TypeError: an argument has the wrong type (``offload_stream`` not a
+            ``torch.cuda.Stream`` or ``None``).
+        ValueError: ``num_layers`` or ``model_layers`` is out of range (without
+            ``manual_synchronization``); ``offload_stream`` is given without
+            ``manual_synchronization=True`` (TransformerEngine asserts both).
+        RuntimeError: ``offload_stream`` is given but CUDA is not available.
 
     Example:
         >>> ctx, sync = get_cpu_offload_context(True, num_layers=1, model_layers=2)
@@ -706,38 +969,207 @@ def get_cpu_offload_context(
         ...         x = layer(x)
         ...     x = sync(x)
         >>> x.sum().backward()
+
+        Manual synchronization (one forward; a pipeline schedule names the forward):
+
+        >>> ctx, sync, sched = get_cpu_offload_context(
+        ...     True, model_layers=2, manual_synchronization=True)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> for i, layer in enumerate(layers):
+        ...     with ctx:
+        ...         x = layer(x)
+        ...     x = sync(x)
+        ...     sched.start_offload_layer(i)
+        >>> for i in range(2):
+        ...     sched.release_activation_forward_gpu_memory(i)
+        >>> for i in reversed(range(2)):
+        ...     sched.start_reload_layer(i)
+        >>> x.sum().backward()
     """
     for name, value in (
         ("enabled", enabled),
         ("offload_activations", offload_activations),
         ("offload_weights", offload_weights),
         ("double_buffering", double_buffering),
+        ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+        ("manual_synchronization", manual_synchronization),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
     for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
+        if name == "num_layers" and value is None and manual_synchronization:
+            continue  # ignored in manual mode (TransformerEngine's docs pass none)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
+        raise TypeError(
+            f"offload_stream must be a torch.cuda.Stream or None; got "
+            f"{type(offload_stream).__name__} {offload_stream!r}"
+        )
     if not enabled:
+        if manual_synchronization:
+            return contextlib.nullcontext(), _identity, None
         return contextlib.nullcontext(), _identity
     if model_layers < 1:
         raise ValueError(f"model_layers={model_layers}: must be >= 1")
-    if not 0 <= num_layers <= model_layers - 1:
+    if not manual_synchronization and not 0 <= num_layers <= model_layers - 1:  # type: ignore[operator]
         raise ValueError(
             f"num_layers={num_layers}: must satisfy 0 <= num_layers <= model_layers - 1 "
-            f"= {model_layers - 1} (as in TransformerEngine)"
+            f"= {model_layers - 1} (as in TransformerEngine; with "
+            f"manual_synchronization=True any layer may be offloaded)"
         )
+    if offload_stream is not None:
+        if not manual_synchronization:
+            raise ValueError(
+                "offload_stream may be given only with manual_synchronization=True (as in "
+                "TransformerEngine); pass offload_stream=None or manual_synchronization=True"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "offload_stream was given but CUDA is not available; pass offload_stream=None"
+            )
+    if manual_synchronization:
+        if offload_weights:
+            warn_at_caller(
+                "offload: offload_weights=True has no effect with "
+                "manual_synchronization=True (TransformerEngine 2.10 ignores it too); only "
+                "activations are offloaded"
+            )
+        if not offload_activations:
+            return contextlib.nullcontext(), _identity, None
+        config = OffloadConfig(offload_layers=None, double_buffering=double_buffering)
+        ctx = _ManualContext(
+            0,
+            model_layers,
+            config,
+            manual=True,
+            offload_stream=offload_stream,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        )
+        return ctx, ctx.sync, ManualOffloadSynchronizer(ctx)
     if not offload_activations:
         pair: tuple[Any, Callable[[Any], Any]] = (contextlib.nullcontext(), _identity)
     else:
         config = OffloadConfig(offload_layers=num_layers, double_buffering=double_buffering)
-        ctx = _ManualContext(num_layers, model_layers, config)
+        ctx = _ManualContext(
+            num_layers,  # type: ignore[arg-type]
+            model_layers,
+            config,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        )
         pair = (ctx, ctx.sync)
     if offload_weights:  # weights too: offload/_weights.py wraps the pair
         from offload._weights import manual_weight_context
 
         return manual_weight_context(pair, num_layers, model_layers)
     return pair
+
+
+# --------------------------------------------------------------------------------------
+# TransformerEngine's tensor marks
+
+
+def _parts(t: Any) -> list[torch.Tensor]:
+    """The tensors whose attributes TransformerEngine's marks set: a TE quantized
+    tensor's data and scale tensors (``prepare_for_saving()``; the object is refilled
+    at once), else the tensor itself."""
+    if _packing.is_te_quantized(t):
+        parts, obj = t.prepare_for_saving()
+        obj.restore_from_saved(parts)  # the same tensor objects go back in
+        return [p for p in parts if p is not None]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected tensors (or None); got {type(t).__name__} {t!r}")
+    return [t]
+
+
+def mark_not_offload(*tensors: Any) -> None:
+    """Keep these tensors on the device whenever they are saved for backward inside an
+    offload context (TransformerEngine's ``mark_not_offload``).
+
+    Sets the attribute ``_TE_do_not_offload`` on each tensor (on the data and scale
+    tensors of a TransformerEngine quantized tensor, as TransformerEngine does), which
+    every offloader of this package honours: the tensor is counted under the keep
+    reason ``opted_out``. ``None`` entries are skipped. Works inside and outside any
+    offload context; the mark stays with the tensor object.
+
+    Raises:
+        TypeError: an entry is neither a tensor, a TE quantized tensor nor ``None``.
+
+    Example:
+        >>> t = torch.randn(1024, 1024)
+        >>> mark_not_offload(t)
+        >>> t._TE_do_not_offload
+        True
+    """
+    for t in tensors:
+        if t is None:
+            continue
+        for part in _parts(t):
+            part._TE_do_not_offload = True
+
+
+def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
+    """Say that these tensors are fully computed and may be copied to the host
+    (TransformerEngine's ``start_offload``). Safe to call anywhere: outside an offload
+    context it only sets the mark below.
+
+    TransformerEngine records an event here that a later copy of the tensor waits for.
+    Here the copy of a saved tensor is queued when it is saved and waits for everything
+    queued on the compute stream until it is issued, which includes the kernels that
+    produced the tensor, so no event is needed; what this call does:
+
+    * Inside an offload context on this thread (an :class:`ActivationOffloader` or
+      :func:`get_cpu_offload_context` entry): if a queued copy (not yet issued: copies
+      are issued in small batches) reads one of these tensors' storage, the queue is
+      issued now, so the copy starts as early as TransformerEngine's would. In manual
+      mode (``manual_synchronization=True``) a layer's copies are issued by its
+      ``start_offload_layer`` and nothing more happens here.
+    * ``offload_base_tensor=True``: each tensor that is a view (``t._base is not
+      None``) is marked (attribute ``offload_base_tensor``, TransformerEngine's name),
+      and when it is saved its copy covers its base's whole span, so the other views of
+      the same base saved later (e.g. interleaved q, k, v) find their bytes already
+      copied and cost no second copy. A view that spans at least half its storage is
+      copied that way anyway.
+
+    ``None`` entries are skipped; TE quantized tensors act through their data tensors.
+
+    Args:
+        tensors: the tensors (or ``None``).
+        offload_base_tensor: copy the base of a view instead of the view. Default
+            ``False``.
+
+    Raises:
+        TypeError: ``offload_base_tensor`` is not a bool, or an entry is not a tensor.
+
+    Example:
+        >>> qkv = torch.randn(8, 3 * 64)
+        >>> q, k, v = qkv.chunk(3, dim=-1)
+        >>> start_offload(q, k, v, offload_base_tensor=True)
+    """
+    if not isinstance(offload_base_tensor, bool):
+        raise TypeError(
+            f"offload_base_tensor must be a bool; got {type(offload_base_tensor).__name__} "
+            f"{offload_base_tensor!r}"
+        )
+    flat: list[torch.Tensor] = []
+    for t in tensors:
+        if t is not None:
+            flat.extend(_parts(t))
+    if offload_base_tensor:
+        for t in flat:
+            if t._base is not None:
+                t.offload_base_tensor = True
+    owner = getattr(_active, "owner", None)
+    step = None
+    if isinstance(owner, ActivationOffloader):
+        step = owner._step
+    elif isinstance(owner, _ManualContext):
+        step = owner.step
+    if step is None or not flat:
+        return
+    plain = [t for t in flat if _packing.is_plain(t) and t.layout == torch.strided]
+    if plain:
+        step.flush_for(plain)
 
 
 # --------------------------------------------------------------------------------------
