@@ -81,9 +81,9 @@ event that follows its last reader (``_Staging.free``).
 ``Step.manual``) changes who triggers the steps, not what each one waits for. Step 1 is
 deferred: a save is held on the device (``Held``, a weak entry in ``_Group.held``) until
 the caller's ``start_offload_layer`` for that layer and forward, which places it then
-and issues its copy behind the compute stream's work queued so far (4.1(a) holds: the
-producing kernels are queued before the call) and records the group's D2H event (step
-2). Step 3 runs only on ``release_activation_forward_gpu_memory``, never on a schedule
+and issues its copy behind the work queued so far on the stream the layer ran on
+(4.1(a) holds: the producing kernels are queued before the call) and records the group's
+D2H event (step 2). Step 3 runs only on ``release_activation_forward_gpu_memory``, never on a schedule
 and never at the end of the forward; it is the same ``_release``, so the compute stream
 waits for that event before any device reference is dropped (4.1(b)). Step 4 runs on
 ``start_reload_layer`` (the same ``_reload``), or on demand at the first unpack (step
@@ -861,7 +861,14 @@ class Step:
             for ref, start, end, wide, nbytes in held:
                 kept["not_selected"] -= nbytes
                 self._start_held(ref(), group, start, end, wide)
-            self._flush_d2h(group)
+            stream = group.stream
+            if stream is not None and self.backend is not None and self.backend.is_async:
+                # the copies wait for the stream the layer ran on (4.1(a)), whichever
+                # stream is current where the caller calls start_offload_layer
+                with torch.cuda.stream(stream):
+                    self._flush_d2h(group)
+            else:
+                self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
             if group.copies and not had_copies and self.forward_done:
