@@ -31,8 +31,10 @@ that every prediction can be explained:
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
   layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
   schedule (one copy stream per direction, overlapping the compute beside it, the
-  release and reload points of ``# Note [release order]``). Predictions are anchored on
-  the measured step without levers.
+  release and reload points of ``# Note [release order]``); with ``compress="fp8"`` each
+  offloaded layer also costs a time fitted to the every-layer offload step (the codec's
+  kernels and their waits, which the copy model does not see). Predictions are
+  anchored on the measured step without levers.
 
 The search (:func:`optimize`) considers the plans of the form "the first ``k`` layers
 offloaded, the next ``c`` checkpointed, the next ``s`` selective, the rest kept": the
@@ -103,6 +105,10 @@ class PlanCosts:
         activation_bytes: measured activation peak without levers (the anchor of the
             memory predictions and what a fractional budget refers to). Default: the
             model's own estimate.
+        offload_s: device seconds each layer's offloading costs beyond its copies,
+            split between its forward and its backward (with ``compress="fp8"``,
+            :func:`plan` fits it to the every-layer offload step: the codec's kernels
+            and their waits). Default ``None``: none.
 
     Raises:
         ValueError: lists of different lengths, no layer, a negative number, or a
@@ -124,17 +130,18 @@ class PlanCosts:
     gap_s: float = 0.0
     step_s: float | None = None
     activation_bytes: int | None = None
+    offload_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         names = ("forward_s", "backward_s", "saved_bytes", "selective_s", "checkpoint_s")
-        for name in (*names, "link_bytes"):
+        for name in (*names, "link_bytes", "offload_s"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
         n = len(self.forward_s)
         if n == 0:
             raise ValueError("PlanCosts needs at least one layer (forward_s is empty)")
-        for name in (*names, "link_bytes"):
+        for name in (*names, "link_bytes", "offload_s"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -211,18 +218,15 @@ class PlanCosts:
         link = self._link()
         out = []
         for i, lever in enumerate(levers):
-            extra = 0.0
+            fwd, bwd = self.forward_s[i], self.backward_s[i]
             if lever == "selective":
-                extra = self.selective_s[i]
+                bwd += self.selective_s[i]
             elif lever == "checkpoint":
-                extra = self.checkpoint_s[i]
-            out.append(
-                _auto.LayerCost(
-                    self.forward_s[i],
-                    self.backward_s[i] + extra,
-                    link[i] if lever == "offload" else 0,
-                )
-            )
+                bwd += self.checkpoint_s[i]
+            elif lever == "offload" and self.offload_s is not None:
+                fwd += self.offload_s[i] / 2
+                bwd += self.offload_s[i] / 2
+            out.append(_auto.LayerCost(fwd, bwd, link[i] if lever == "offload" else 0))
         return out
 
     def raw_seconds(self, levers: Sequence[str]) -> float:
@@ -987,6 +991,13 @@ def plan(
                 target,
                 1.0,
             )
+    if compress is not None and "offload" in configs:
+        # the codec's kernels and the waits they add are not in the copy model: fit one
+        # cost per offloaded layer to the every-layer offload step
+        levers_all = ["offload"] * (L - 1) + ["keep"]
+        residual = configs["offload"]["seconds"] - model_costs(**fitted).seconds(levers_all)
+        per_layer = max(0.0, residual) / (L - 1)
+        fitted["offload_s"] = tuple(per_layer for _ in range(L))
     costs = model_costs(**fitted)
     limit = _budget_bytes(budget, base_m)
 

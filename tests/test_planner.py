@@ -5,6 +5,7 @@ losses and gradients on the reference block and a tiny Hugging Face Llama."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import random
@@ -360,3 +361,14 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget})
     with pytest.raises(ValueError, match="measured above it"):
         base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+
+
+def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
+    c = _costs(L=4, bps=1e15)
+    extra = dataclasses.replace(c, offload_s=[2e-3] * 4)
+    plain = ["keep"] * 4
+    two = ["offload", "offload", "keep", "keep"]
+    assert extra.seconds(plain) == pytest.approx(c.seconds(plain))
+    assert extra.seconds(two) == pytest.approx(c.seconds(two) + 4e-3)
+    with pytest.raises(ValueError, match="offload_s"):
+        dataclasses.replace(c, offload_s=[1.0])
