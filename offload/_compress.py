@@ -18,34 +18,33 @@ Encoding (invariant; both implementations compute exactly this)
 Per block, in float32 (``x`` is the element converted to float32, which is exact), with
 every operation rounded to nearest-even and no flush of subnormals:
 
-1. ``amax = max |x|`` over the block, computed on the bit patterns
-   (``bits(x) & 0x7FFFFFFF`` compared as integers, which orders non-negative floats and
-   puts NaN above infinity).
-2. The block is *finite* when ``amax < inf``. Finite blocks:
-   ``scale = max(amax / 448, 2**-126)`` (true division; 448 is the largest finite
+1. ``amax = max |x|`` over the block's *finite* elements (0 if there is none), computed
+   on the bit patterns (``bits(x) & 0x7FFFFFFF`` compared as integers, which orders
+   non-negative floats; patterns of inf and NaN, ``>= 0x7F800000``, count as 0).
+2. ``scale = max(amax / 448, 2**-126)`` (true division; 448 is the largest finite
    e4m3fn value; the floor 2**-126, float32's smallest normal, keeps the scale normal and
-   gives an all-zero block a positive scale);
-   ``inv = 1 / scale`` (true division, once per block);
-   ``q = e4m3fn_rne(clamp(x * inv, -448, 448))``: the multiplication by the block's
-   reciprocal, not a per-element division, rounded once more to nearest-even in
-   float32, then converted to e4m3fn rounding to nearest, ties to even (subnormal codes
-   included; the sign of zero is kept).
-3. Non-finite blocks (any ``inf`` or ``nan``): ``scale = nan`` (bits ``0x7FC00000``) and
-   every code is ``0x00``.
+   gives an all-zero block a positive scale); ``inv = 1 / scale`` (true division, once
+   per block).
+3. A finite element: ``q = e4m3fn_rne(clamp(x * inv, -448, 448))``: the multiplication
+   by the block's reciprocal, not a per-element division, rounded once more to
+   nearest-even in float32, then converted to e4m3fn rounding to nearest, ties to even
+   (subnormal codes included; the sign of zero is kept). A non-finite element (inf or
+   NaN): the NaN code ``0x7F``.
 
 Decoding: ``out = cast_to_original_dtype(float32(q) * scale)`` (one float32
 multiplication, then round to nearest-even into bfloat16 / float16, or nothing for
 float32). Consequences:
 
 * zeros (of either sign) decode to exactly the same zero;
-* a block holding any ``inf`` or ``nan`` decodes to ``nan`` in all of its elements;
-  other blocks are unaffected; nothing raises;
+* an inf or NaN element decodes to NaN, and only that element: its block's other
+  elements decode as if it were 0 (so bytes a span holds beside the saved tensor's own,
+  whatever they are, never turn its elements into NaN); nothing raises;
 * no finite input decodes to ``inf`` (checked exhaustively over float32's top binade:
   ``448 * (amax / 448)`` never rounds up to infinity).
 
 Error bound
 -----------
-For an element ``x`` of a finite block with stored scale ``s``, decoded as ``y``:
+For a finite element ``x`` of a block with stored scale ``s``, decoded as ``y``:
 
 .. code-block:: text
 
@@ -151,7 +150,7 @@ _FP8_MAX = 448.0
 _SCALE_MIN = 2.0**-126
 _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
-_NAN_BITS = 0x7FC00000
+_NAN_CODE = 0x7F  # the e4m3fn NaN code every non-finite element is encoded as
 _FP8 = torch.float8_e4m3fn
 _ACCEPTED = "torch.bfloat16, torch.float16, torch.float32"
 
@@ -370,7 +369,7 @@ def unpack_scales(packed: torch.Tensor, numel: int) -> torch.Tensor:
         numel: the number of elements the buffer encodes.
 
     Returns:
-        A float32 tensor of ``ceil(numel / BLOCK)`` scales (``nan`` for non-finite blocks).
+        A float32 tensor of ``ceil(numel / BLOCK)`` scales (always finite and positive).
 
     Raises:
         ValueError: ``packed`` is not a 1-D contiguous uint8 tensor of that size.
@@ -389,8 +388,8 @@ def error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         scales: its block scales, as :func:`unpack_scales` returns them.
 
     Returns:
-        A float64 tensor shaped like ``x``; ``nan`` in non-finite blocks (no bound: they
-        decode to ``nan``).
+        A float64 tensor shaped like ``x``; ``nan`` at non-finite elements (no bound:
+        they decode to NaN).
 
     Raises:
         ValueError: ``x`` is not a 1-D tensor of a compressible dtype, or ``scales`` does
@@ -404,7 +403,8 @@ def error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     ax = x.to(device="cpu", dtype=torch.float64).abs()
     s = scales.to(device="cpu", dtype=torch.float64).repeat_interleave(BLOCK)[: x.numel()]
     inner = (2.0**-4 + 2.0**-22) * ax + (2.0**-10 + 2.0**-23) * s
-    return (1.0 + u) * inner + u * ax + eta
+    bound = (1.0 + u) * inner + u * ax + eta
+    return torch.where(torch.isfinite(ax), bound, torch.full_like(bound, float("nan")))
 
 
 # --------------------------------------------------------------------------------------
@@ -419,22 +419,21 @@ def _quantize_eager(src: torch.Tensor, out: torch.Tensor) -> None:
         if nb * BLOCK != n:
             x = torch.nn.functional.pad(x, (0, nb * BLOCK - n))
         x = x.view(nb, BLOCK)
-        amax_bits = torch.bitwise_and(x.view(torch.int32), _ABS_MASK).amax(dim=1)
-        finite = amax_bits < _INF_BITS
-        amax = amax_bits.view(torch.float32)
+        bits = torch.bitwise_and(x.view(torch.int32), _ABS_MASK)
+        finite = bits < _INF_BITS
+        zero = torch.zeros((), dtype=bits.dtype, device=bits.device)
+        amax = torch.where(finite, bits, zero).amax(dim=1).view(torch.float32)
         # tensor / tensor of the same shape: true division on every device (a Python
         # scalar divisor may become a multiplication by its reciprocal on CUDA)
         scale = torch.div(amax, torch.full_like(amax, _FP8_MAX)).clamp_(min=_SCALE_MIN)
-        scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
         inv = torch.reciprocal(scale)
         y = (x * inv[:, None]).clamp_(-_FP8_MAX, _FP8_MAX)
-        y = torch.where(finite[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-        q = y.view(-1)[:n].to(_FP8)
-        scale_bits = torch.where(
-            finite, scale.view(torch.int32), torch.full_like(amax_bits, _NAN_BITS)
-        )
-        out[: 4 * nb].copy_(scale_bits.view(torch.uint8))
-        out[4 * nb :].copy_(q.view(torch.uint8))
+        y = torch.where(finite, y, torch.zeros((), dtype=y.dtype, device=y.device))
+        q = y.view(-1)[:n].to(_FP8).view(torch.uint8)
+        nan_code = torch.full((), _NAN_CODE, dtype=torch.uint8, device=q.device)
+        q = torch.where(finite.view(-1)[:n], q, nan_code)
+        out[: 4 * nb].copy_(scale.view(torch.int32).view(torch.uint8))
+        out[4 * nb :].copy_(q)
 
 
 def _dequantize_eager(packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -638,23 +637,23 @@ def _build_kernels() -> SimpleNamespace:
             x = tl.load(src_ptr + start + local, mask=mask, other=0.0)
         x = x.to(tl.float32)
 
-        amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-        finite = amax_bits < 0x7F800000
-        # non-finite blocks: any finite stand-in (448.0) keeps the discarded lanes quiet
-        amax = tl.where(finite, amax_bits, 0x43E00000).to(tl.float32, bitcast=True)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        finite = bits < 0x7F800000  # per element
+        amax = tl.max(tl.where(finite, bits, 0), axis=1).to(tl.float32, bitcast=True)
         scale = tl.maximum(tl.math.div_rn(amax, tl.full([ROWS], 448.0, tl.float32)), 2.0**-126)
         inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
 
         y = x * inv[:, None]
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        y = tl.where(finite[:, None], y, 0.0)
+        y = tl.where(finite, y, 0.0)  # no inf or NaN reaches the conversion
         q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        q = tl.where(finite, q, 0x7F).to(tl.uint8)  # the NaN code
         if full:
             tl.store(codes_ptr + start + local, q)
         else:
             tl.store(codes_ptr + start + local, q, mask=mask)
 
-        scale_bits = tl.where(finite, scale.to(tl.int32, bitcast=True), 0x7FC00000)
+        scale_bits = scale.to(tl.int32, bitcast=True)
         srow = row0 + rows
         byte = tl.arange(0, 4)
         sbytes = ((scale_bits[:, None] >> (byte[None, :] * 8)) & 0xFF).to(tl.uint8)

@@ -109,9 +109,9 @@ class ActivationOffloader:
             ``float8_e4m3fn`` with one fp32 scale per 128 consecutive elements, about
             half the link bytes and host memory of bf16. Each element ``x`` comes back
             within about ``2**-4 * |x| + 2**-10 * amax / 448`` (``amax``: the largest
-            magnitude in its block of 128), plus the rounding of the cast back to its
-            dtype (exact statement: ``offload/_compress.py``); a block holding an inf
-            or NaN comes back as NaN. ``stats`` reports the bytes before and after
+            finite magnitude in its block of 128), plus the rounding of the cast back
+            to its dtype (exact statement: ``offload/_compress.py``); an inf or NaN
+            comes back as NaN, alone. ``stats`` reports the bytes before and after
             compression.
         compress_filter: ``callable(tensor) -> bool``; ``True`` compresses a floating
             tensor, ``False`` sends it exactly. Default ``None``: bf16 and fp16 tensors
