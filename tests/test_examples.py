@@ -188,6 +188,11 @@ def test_weights_example() -> None:
             ["lowest cosine similarity", "step 1: loss exact", "ratio 0.2"],
         ),
         ("planner.py", ["--device", "cpu", "--steps", "2"], ["bitwise equal: True"]),
+        (
+            "te_pipeline.py",
+            ["--device", "cpu"],
+            ["micro-batch 1: bytes sent", "gradients bitwise equal to no offloading: True"],
+        ),
     ],
 )
 def test_other_examples_run(name: str, args: list[str], expected: list[str]) -> None:
