@@ -213,18 +213,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     import offload
 
-    for name, minimum in (
-        ("layers", 1),
-        ("hidden", 1),
-        ("heads", 1),
-        ("ffn", 1),
-        ("seq", 1),
-        ("batch", 1),
-        ("steps", 1),
-        ("warmup", 0),
-        ("min_tensor_bytes", 0),
-    ):
-        _positive(args, name, minimum)
+    _check_sizes(args)
     budget = _budget(args.budget)
     levers = [x.strip() for x in args.levers.split(",") if x.strip()]
     bad = [x for x in levers if x not in _LEVERS]
@@ -281,6 +270,25 @@ def _plan(args: argparse.Namespace) -> int:
         target.write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"plan written to {target}")
     return 0
+
+
+#: The numeric flags both commands check, with their smallest accepted value.
+_MINIMUMS = (
+    ("layers", 1),
+    ("hidden", 1),
+    ("heads", 1),
+    ("ffn", 1),
+    ("seq", 1),
+    ("batch", 1),
+    ("steps", 1),
+    ("warmup", 0),
+    ("min_tensor_bytes", 0),
+)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    for name, minimum in _MINIMUMS:
+        _positive(args, name, minimum)
 
 
 def _positive(args: argparse.Namespace, name: str, minimum: int = 1) -> None:
@@ -447,18 +455,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     import offload
 
-    for name, minimum in (
-        ("layers", 1),
-        ("hidden", 1),
-        ("heads", 1),
-        ("ffn", 1),
-        ("seq", 1),
-        ("batch", 1),
-        ("steps", 1),
-        ("warmup", 0),
-        ("min_tensor_bytes", 0),
-    ):
-        _positive(args, name, minimum)
+    _check_sizes(args)
     device = _device(args.device)
     dtype = _DTYPES[args.dtype or _DEFAULTS[device.type]["dtype"]]
     _check_plot(args.plot)
