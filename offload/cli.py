@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from offload._planner import LEVERS
+
 __all__ = ["main", "build_parser"]
 
 _DTYPES = {
@@ -155,8 +157,8 @@ def _add_plan_parser(sub: Any) -> None:
     )
     run.add_argument(
         "--levers",
-        default=",".join(_LEVERS),
-        help=f"comma list of the levers the plan may use; default {','.join(_LEVERS)}",
+        default=",".join(LEVERS),
+        help=f"comma list of the levers the plan may use; default {','.join(LEVERS)}",
     )
     run.add_argument(
         "--compress", choices=["fp8"], help="offloaded layers travel compressed (lossy)"
@@ -176,7 +178,6 @@ def _add_plan_parser(sub: Any) -> None:
     out.add_argument("--json", metavar="PATH", help="write the plan (and measurement) as JSON")
 
 
-_LEVERS = ("keep", "offload", "selective", "checkpoint")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -216,9 +217,9 @@ def _plan(args: argparse.Namespace) -> int:
     _check_sizes(args)
     budget = _budget(args.budget)
     levers = [x.strip() for x in args.levers.split(",") if x.strip()]
-    bad = [x for x in levers if x not in _LEVERS]
+    bad = [x for x in levers if x not in LEVERS]
     if bad:
-        raise CliError(f"--levers: unknown {bad}; accepted: {','.join(_LEVERS)}")
+        raise CliError(f"--levers: unknown {bad}; accepted: {','.join(LEVERS)}")
     device = _device(args.device or "cuda")
     if device.type != "cuda":
         raise CliError(

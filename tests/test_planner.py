@@ -372,3 +372,53 @@ def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
     assert extra.seconds(two) == pytest.approx(c.seconds(two) + 4e-3)
     with pytest.raises(ValueError, match="offload_s"):
         dataclasses.replace(c, offload_s=[1.0])
+
+
+def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
+    """``offload.plan``'s own logic on the CPU: the measuring configurations in order,
+    the fit, the search and the verification, with device times and peaks injected
+    (the GPU run of the same path is tests/test_planner_cuda.py)."""
+    from offload import _auto, activations
+
+    monkeypatch.setattr(_planner, "_cuda_available", lambda: True)
+    monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
+    real_init = activations._Auto.__init__
+
+    def measuring_init(self):
+        real_init(self)
+        self.measure_on_cpu = True
+
+    monkeypatch.setattr(activations._Auto, "__init__", measuring_init)
+    peaks = iter([1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 10)
+    runs = []
+
+    def fake_run(step_fn, steps, warmup):
+        for _ in range(steps + warmup):
+            step_fn()
+        runs.append((steps, warmup))
+        return {"seconds": 0.01 * len(runs), "peak_bytes": next(peaks)}
+
+    monkeypatch.setattr(_planner, "_run", fake_run)
+    model = _ref_model()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 32, 64)
+    chosen = offload.plan(
+        lambda: model.loss(x).backward(),
+        model.layers,
+        budget=0.5,
+        model=model,
+        min_tensor_bytes=0,
+        steps=2,
+    )
+    configs = chosen.measured["configs"]
+    assert list(configs) == ["none", "offload", "selective", "checkpoint"]
+    assert chosen.budget_bytes == 500.0 and chosen.costs.activation_bytes == 1000
+    assert chosen.predicted_bytes <= chosen.budget_bytes
+    checks = chosen.measured["checks"]
+    assert checks and checks[-1]["fits"] and checks[-1]["levers"] == chosen.levers
+    assert not any("forward" in layer.__dict__ for layer in model.layers)  # trials removed
+    chosen.apply(model)
+    try:
+        _assert_same(_step(ref, x), _step(model, x))
+    finally:
+        chosen.remove()
