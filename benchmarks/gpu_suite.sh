@@ -19,6 +19,8 @@
 #   multigpu  benchmarks/bench_multigpu_memcpy.py (pinned memcpy, N concurrent copiers), then
 #             benchmarks/bench_multigpu.py under torchrun on every GPU (FSDP2 ref-8L, k = 0,
 #             2, 4, 7, bitwise check); for a machine with several GPUs, not in the default list
+#   graphs    tests/test_graphs_cuda.py, then benchmarks/bench_graphs.py on tiny48 (auto, all)
+#             and ref-8L (k = 1, 2): eager vs CUDA-graphed steps, with and without offloading
 #   extra     any benchmark named in $EXTRA (a shell command), for work in progress
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
@@ -36,6 +38,12 @@ for part in $parts; do
   case $part in
     tests) timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests \
              2>&1 | tee "$OUT/pytest_cuda.log" | tail -25 ;;
+    graphs) timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graphs_cuda.py \
+             2>&1 | tee "$OUT/pytest_graphs.log" | tail -25
+            timeout 200 python3 benchmarks/bench_graphs.py --preset tiny48 \
+             --out "$OUT/bench_graphs_tiny48.json" 2>&1 | tail -15
+            timeout 200 python3 benchmarks/bench_graphs.py --preset ref-8L --ks 1,2 \
+             --out "$OUT/bench_graphs_ref8l.json" 2>&1 | tail -15 ;;
     hooks) timeout 120 python3 benchmarks/bench_hooks.py --out "$OUT/bench_hooks.json" \
              2>&1 | tail -30 ;;
     tiny48) timeout 240 python3 benchmarks/bench_activations.py --preset tiny48 \

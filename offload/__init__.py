@@ -6,6 +6,7 @@ created until the first forward that offloads something.
 
 from offload import integrations, main_grad, nn
 from offload._checkpoint import CheckpointOffloader, CheckpointStats, checkpoint, checkpoint_stats
+from offload._graphs import make_graphed_callables
 from offload._planner import LEVERS, Plan, PlanCosts, plan
 from offload._profile import MemoryProfile, profile_step
 from offload.activations import (
@@ -30,6 +31,8 @@ __all__ = [
     "AttachHandle",
     "OffloadConfig",
     "no_offload",
+    # CUDA graphs: offloading inside per-layer graphs
+    "make_graphed_callables",
     # TransformerEngine-compatible API
     "get_cpu_offload_context",
     "ManualOffloadSynchronizer",

@@ -25,7 +25,15 @@ import torch
 
 from offload import _compress
 
-__all__ = ["Backend", "CudaBackend", "Request", "SyncBackend", "backend_for", "empty"]
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "Request",
+    "SyncBackend",
+    "backend_for",
+    "capturing",
+    "empty",
+]
 
 
 #: Where a backend appends timing records when asked: ``(kind, seconds)`` measured on
@@ -37,6 +45,12 @@ Times = list[tuple[Any, ...]]
 #: size, stride)`` (a buffer of that geometry: the exact copy of a contiguous tensor
 #: that filled its whole storage, rebuilt without a byte view).
 Request = int | tuple[torch.dtype, torch.Size, tuple[int, ...]]
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph. Never initializes
+    CUDA: without an initialized CUDA context nothing can be capturing."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def empty(request: Request, device: torch.device) -> torch.Tensor:

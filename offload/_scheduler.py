@@ -92,6 +92,30 @@ released then (``_retire``), after the same wait. The synchronizer checks the or
 layer (start, release, reload; once each) and raises otherwise; several forwards can be
 in flight, each with its own groups.
 
+*CUDA graphs* (``Step.capture``) change where the steps above are recorded, not what
+they wait for. A captured step records its copies, events and waits into the graph:
+every wait on an event becomes a graph edge, so each replay re-runs steps 1-5 in the
+order captured, and nothing of ours runs in Python on replay. Three things differ:
+
+- The host blocks a captured copy wrote are *bound to the graph*: every replay writes
+  and reads the same host addresses, so at step 7 a captured copy's block is not
+  returned to the pool but kept (``Runtime.graph_blocks``) until the offloader is
+  closed. The pool's bytes stay flat across replays because replays allocate nothing.
+- No captured D2H waits for the pool's H2D fence (step 1) and no captured reload
+  becomes the fence: a wait inside a capture on an event recorded outside it is not
+  allowed, and no other copy ever reuses a graph-bound block, which is all the fence
+  protects. (A capture starts after a device synchronisation, so no eager H2D is in
+  flight then.)
+- Every stream a capture forks must rejoin the capturing stream before the capture
+  ends. In a whole-step capture (``capture == "step"``: the context was entered while
+  capturing, e.g. inside ``torch.cuda.graph``) the joins are the waits of steps 3 and
+  5, as eagerly: the release of the last offloaded group at the end of the forward
+  and the unpack of each reload. In a per-layer capture (``capture == "layer"``,
+  ``offload.make_graphed_callables``) each layer call is its own graph, so its group
+  is released at its own close (the compute stream waits for its D2H there) and
+  reloaded by its own backward: nothing crosses from one graph into another, and the
+  copies overlap only the rest of their own layer.
+
 An exception inside the forward (``Step.abort``) waits for the outstanding D2H copies on
 the compute stream, drops every device reference and returns every host block at once;
 the failed forward's graph can no longer be unpacked.
@@ -109,7 +133,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _compress, _packing, _placement, _timing
+from offload import _compress, _device, _packing, _placement, _timing
 from offload._buffers import ReloadBuffers
 from offload._device import Backend, backend_for
 from offload._handles import (
@@ -336,6 +360,9 @@ class Runtime:
         self.config = config
         #: get_cpu_offload_context(offload_stream=...): the CUDA stream of every copy
         self.offload_stream = offload_stream
+        #: host blocks bound to captured CUDA graphs (Note [release order], "CUDA
+        #: graphs"): never returned to the pool, since replays write them; freed by close()
+        self.graph_blocks: list[HostBlock] = []
         #: get_cpu_offload_context(retain_pinned_cpu_buffers=True): slabs are kept
         self.retain_host = retain_host
         self.lock = threading.Lock()
@@ -367,6 +394,10 @@ class Runtime:
     def close(self) -> None:
         with self.lock:
             self.drain()
+            for block in self.graph_blocks:
+                if block.slab is not None:
+                    self._pool.free(block)  # type: ignore[union-attr]
+            self.graph_blocks.clear()
             if self._pool is not None:
                 self._pool.close()  # the pool can grow again if the offloader is reused
 
@@ -415,6 +446,10 @@ class Step:
         #: start_offload_layer, and nothing is released or reloaded on a schedule
         #: (Note [release order], "Manual mode")
         self.manual = False
+        #: None (eager), "step" (the whole forward and backward are captured in one CUDA
+        #: graph) or "layer" (each layer call is its own graph): Note [release order],
+        #: "CUDA graphs"
+        self.capture: str | None = None
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -433,6 +468,16 @@ class Step:
                 self.depth += 1
                 return
             index = len(self.groups)
+            if self.capture is None and _device.capturing():
+                raise RuntimeError(
+                    "offload: a CUDA graph capture began after the offloader was entered, "
+                    "so the offloader cannot tell which of its copies belong to the graph. "
+                    "Enter the offloader inside the capture (with torch.cuda.graph(g): with "
+                    "offloader: ...), or graph single layers with "
+                    "offload.make_graphed_callables."
+                )
+            if self.capture is not None:
+                self._check_capturable()
             if index < self.plan.num_groups:
                 offload = index in self.plan.offloaded
             else:
@@ -481,6 +526,10 @@ class Step:
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
+            if self.capture == "layer":
+                # this layer's graph ends with the layer: join its D2H now (Note
+                # [release order], "CUDA graphs")
+                self._release(group)
             index = group.index
         if group.marks is not None:
             group.marks["f1"] = self._mark()
@@ -558,6 +607,26 @@ class Step:
             self.storages.clear()
             self.buffers.clear()
         self.remove_hooks()
+
+    def _check_capturable(self) -> None:
+        """Raise for settings a captured step cannot honour (lock held)."""
+        if self.cfg.timing:
+            raise RuntimeError(
+                "offload: timing=True reads CUDA event times, which a CUDA graph capture "
+                "does not allow; pass timing=False to the offloader used in the capture"
+            )
+        if self.probe:
+            raise RuntimeError(
+                "offload: offload_layers='auto' measures the first forward of each input "
+                "shape, and a CUDA graph capture cannot be measured; run two eager steps "
+                "with the capture's shapes first (the usual warm-up), or pass an explicit "
+                "offload_layers"
+            )
+        if self.compress:
+            raise NotImplementedError(
+                "offload: compress='fp8' is not supported inside CUDA graph captures yet; "
+                "pass compress=None to the offloader used in the capture"
+            )
 
     def remove_hooks(self) -> None:
         """Remove every hook this step registered on tensors (idempotent)."""
@@ -798,7 +867,8 @@ class Step:
         if queue:
             self.d2h_queue = []
             times = group.times if group is not None else None
-            self.backend.d2h(queue, self.rt.pool.h2d_fence, times)  # type: ignore[union-attr]
+            fence = None if self.capture else self.rt.pool.h2d_fence
+            self.backend.d2h(queue, fence, times)  # type: ignore[union-attr]
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
@@ -975,7 +1045,7 @@ class Step:
                 copy.waited = False
                 copy.holders = copy.users  # kept until every user group is done
             self.stats.bytes_reloaded += reloaded
-            if event is not None:
+            if event is not None and not self.capture:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
 
@@ -1074,7 +1144,10 @@ class Step:
             if copy.buffer is not None:
                 self._drop_buffer(copy, reuse=not self.aborted)
             if copy.host is not None:
-                self.rt.pool.free(copy.host)
+                if self.capture and not self.aborted:
+                    self.rt.graph_blocks.append(copy.host)  # replays write it
+                else:
+                    self.rt.pool.free(copy.host)
                 copy.host = None
                 copy.host_view = None
         if group is not None:

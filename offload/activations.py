@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from offload import _packing
+from offload import _device, _packing
 from offload._handles import unpack_hook
 from offload._plan import Plan, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
@@ -243,6 +243,8 @@ class ActivationOffloader:
         first): which calls are offloaded depends only on their position in a forward."""
         plan = plan_forward(self.config.offload_layers, self._calls, self.config.prefetch_layers)
         step = Step(self._runtime, plan)
+        if _device.capturing():  # a whole-step CUDA graph (Note [release order])
+            step.capture = "step"
         self._step = self._last = step
         return step
 
@@ -633,6 +635,8 @@ class _ManualContext:
                 self.num_layers, [None] * self.model_layers, self.config.prefetch_layers
             )
         step = self.step = Step(self.runtime, plan)
+        if _device.capturing():
+            step.capture = "step"
         if self.manual:
             step.manual = True
             self.by_number = {k: v for k, v in self.by_number.items() if not _forward_over(v)}
