@@ -113,8 +113,10 @@ order captured, and nothing of ours runs in Python on replay. Three things diffe
   and the unpack of each reload. In a per-layer capture (``capture == "layer"``,
   ``offload.make_graphed_callables``) each layer call is its own graph, so its group
   is released at its own close (the compute stream waits for its D2H there) and
-  reloaded by its own backward: nothing crosses from one graph into another, and the
-  copies overlap only the rest of their own layer.
+  reloaded by its own backward, whose H2D needs no wait for a D2H event (the forward
+  graph ended after its copies, and its events cannot be waited for in another
+  graph): nothing crosses from one graph into another, and the copies overlap only
+  the rest of their own layer.
 
 An exception inside the forward (``Step.abort``) waits for the outstanding D2H copies on
 the compute stream, drops every device reference and returns every host block at once;
@@ -1030,7 +1032,9 @@ class Step:
                 (copy.host_view if copy.spec is not None else host.tensor, buffer, copy.codec)  # type: ignore[union-attr]
             )
             reloaded += host.length  # type: ignore[union-attr]
-            if copy.owner not in owners:  # one wait per event is enough
+            if copy.owner not in owners and self.capture != "layer":
+                # one wait per event is enough; none in a per-layer capture, whose forward
+                # graph ended after its copies (and whose events belong to that graph)
                 owners.add(copy.owner)
                 owner = groups[copy.owner]
                 if owner.d2h_done is None and owner.device_refs:
