@@ -188,6 +188,7 @@ def test_weights_example() -> None:
             ["lowest cosine similarity", "step 1: loss exact", "ratio 0.2"],
         ),
         ("planner.py", ["--device", "cpu", "--steps", "2"], ["bitwise equal: True"]),
+        ("cuda_graphs.py", [], ["CUDA graphs need a CUDA device"]),
         (
             "te_pipeline.py",
             ["--device", "cpu"],
