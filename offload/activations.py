@@ -128,6 +128,10 @@ class ActivationOffloader:
         RuntimeError: (on entering) this or another offload context is already
             active on the thread.
 
+    CUDA graphs: a step captured whole (``torch.cuda.graph``) offloads when the
+    offloader is entered inside the capture; replays then run its copies with no Python.
+    For per-layer graphs use :func:`offload.make_graphed_callables`.
+
     Invariants (``# Note [release order]`` in ``offload/_scheduler.py`` says why each
     holds): a copy never starts before the kernel that produced its bytes; a device block
     is never freed before its copy finished; a reloaded tensor is never read before its
