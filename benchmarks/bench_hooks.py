@@ -22,8 +22,9 @@ on the host:
    * ``identity hooks``: ``saved_tensors_hooks(lambda t: t, lambda t: t)``, the floor of
      any pair of Python hooks;
    * ``offload_layers=0``: ``ActivationOffloader(layers, offload_layers=0,
-     min_tensor_bytes=0)``: module hooks and saved-tensor hooks installed, every saved
-     tensor classified and kept on the device (reason ``not_selected``);
+     min_tensor_bytes=0)``: module hooks installed; inside each layer call (none is
+     offloaded) the offloader's saved-tensor hooks step aside and autograd saves the
+     tensors itself;
    * ``offload all``: ``offload_layers=len(layers), min_tensor_bytes=0``: every saved
      tensor copied to the host, released, reloaded and rebuilt.
 

@@ -37,6 +37,11 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 _active = threading.local()
 
 
+#: ``(pack, unpack)`` of the innermost saved-tensor hooks of the thread, or None (private:
+#: no public API tells; ActivationOffloader._hooks_on_top falls back when it is missing)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _claim_thread(owner: object, what: str) -> None:
     current = getattr(_active, "owner", None)
     if current is owner:
@@ -230,6 +235,9 @@ class ActivationOffloader:
         self._unfinished: list[Step] = []  # earlier forwards whose backward has not run
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
+        #: our saved-tensor hooks are popped for the layer call in progress (a call
+        #: that is not offloaded: ``_layer_start``)
+        self._aside = False
         self._calls: list[Any] = list(layers)  # the modules called by the last forward
         self._groups_this_entry = 0
         self._warned: set[str] = set()
@@ -312,7 +320,9 @@ class ActivationOffloader:
             self._remove_layer_hooks()
             hooks, self._saved_hooks = self._saved_hooks, None
             _release_thread(self)
-            if hooks is not None:
+            if self._aside:  # a layer that is not offloaded raised: our hooks are off
+                self._aside = False
+            elif hooks is not None:
                 hooks.__exit__(exc_type, exc, tb)
 
     def _remove_layer_hooks(self) -> None:
@@ -337,10 +347,39 @@ class ActivationOffloader:
         if self._auto is not None and not step.groups:
             self._auto.prepare(self, step, (args, kwargs))
         step.open_group(module, (args, kwargs))
+        group = step.open
+        if (
+            group is not None
+            and not group.offload
+            and step.depth == 0
+            and not step.probe
+            and not self._aside
+            and self._hooks_on_top()
+        ):
+            # A layer call that is not offloaded runs without our saved-tensor hooks:
+            # every tensor it saves would be kept anyway, and a Python hook per saved
+            # tensor is what a launch-bound model pays for. Autograd then saves them
+            # itself (with its own in-place checks); they are not counted in the stats.
+            self._saved_hooks.__exit__(None, None, None)
+            self._aside = True
+
+    def _hooks_on_top(self) -> bool:
+        """Whether our saved-tensor hooks are the innermost on this thread (only then
+        may they be popped: hooks pushed inside ``with offloader:`` by the caller, e.g.
+        non-reentrant checkpointing around a layer, must stay). PyTorch has no public
+        way to ask; without the private one, the hooks stay (correct, only slower)."""
+        top = _TOP_HOOKS
+        if top is None or self._saved_hooks is None:
+            return False
+        current = top(False)
+        return current is not None and current[0] is self._saved_hooks.pack_hook
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
         if step is not None:
+            if self._aside and step.depth == 0:
+                self._saved_hooks.__enter__()  # type: ignore[union-attr]
+                self._aside = False
             step.close_group(output)
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -346,3 +346,89 @@ def test_bitwise_equal_with_shared_input_and_micro_batches() -> None:
         want = step(layers, x + it, models.run_plain)
         assert_same(got, want)
         assert off.stats.bytes_offloaded > 0
+
+
+# ---- layers that are not offloaded run without our hooks ----------------------------------
+
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def test_layers_not_offloaded_run_without_hooks_and_stay_bitwise() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(32, 2, 64) for _ in range(4))
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=[1], min_tensor_bytes=0)
+    seen: list[object] = []
+
+    def probe(module: nn.Module, args: object) -> None:
+        seen.append(_top(False))  # the innermost hooks while the layer runs
+
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    h = x
+    for la in ref:
+        h = la(h)
+    h.float().square().mean().backward()
+    with off:  # our module hooks are registered on entry: the probes run after them
+        handles = [la.register_forward_pre_hook(probe) for la in layers]
+        h = x
+        for la in layers:
+            h = la(h)
+    for hd in handles:
+        hd.remove()
+    h.float().square().mean().backward()
+    assert [s is not None for s in seen] == [False, True, False, False]
+    assert _top(False) is None  # the thread's hook stack is as before the entry
+    got = [p.grad for p in layers.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, [p.grad for p in ref.parameters()]))
+    stats = off.stats
+    assert [la.bytes_offloaded > 0 for la in stats.layers] == [False, True, False, False]
+
+
+def test_callers_hooks_inside_the_context_are_left_in_place() -> None:
+    """A caller's hooks pushed inside ``with offloader:`` around a layer that is not
+    offloaded stay innermost (ours are not popped from under them)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
+    counting = _Counting()
+    x = torch.randn(4, 16, requires_grad=True)
+    with off:
+        mine = _top(False)
+        with torch.autograd.graph.saved_tensors_hooks(counting.pack, counting.unpack):
+            h = layers[0](x)
+        assert _top(False) == mine  # ours again after the caller's block
+        h = layers[1](h)
+        assert _top(False) == mine
+        h = layers[2](h).exp()
+    assert counting.packed > 0  # the caller's hooks saw layer 0's saves
+    assert _top(False) is None
+    h.sum().backward()
+
+
+def test_exception_in_a_layer_not_offloaded_restores_the_hook_stack() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.exp()
+            raise ValueError("boom")
+
+    layers = [nn.Linear(8, 8), Boom()]
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+    x = torch.randn(2, 8, requires_grad=True)
+    counting = _Counting()
+    with torch.autograd.graph.saved_tensors_hooks(counting.pack, counting.unpack):
+        outer = _top(False)
+        with pytest.raises(ValueError, match="boom"):
+            with off:
+                layers[1](layers[0](x))
+        assert _top(False) == outer
+    assert _top(False) is None
+    # in-place changes to a tensor saved in a layer that is not offloaded are still
+    # caught (by autograd's own check)
+    layers2 = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    off2 = offload.ActivationOffloader(layers2, offload_layers=1, min_tensor_bytes=0)
+    with off2:
+        h = layers2[0](x).exp()
+        a = layers2[1](h)  # saves h, in layer 1, which is not offloaded
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a.sum().backward()

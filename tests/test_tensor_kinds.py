@@ -177,9 +177,10 @@ def test_autocast_sends_only_activation_bytes() -> None:
     assert [la.bytes_offloaded for la in stats.layers] == [2 * act] * 3 + [0]
     assert stats.bytes_by_dtype == {"bfloat16": 6 * act}
     # layer 0 needs no input gradient, so it saves no weight; the others save the cast
-    # (in the last layer, which is not offloaded, everything counts as not_selected)
+    # (the last layer is not offloaded: it runs without the offloader's hooks, so what
+    # it saves is not seen, not counted)
     assert [la.bytes_kept["parameter"] for la in stats.layers] == [0] + [256 * 256 * 2] * 2 + [0]
-    assert stats.layers[3].bytes_kept["not_selected"] > 256 * 256 * 2
+    assert stats.layers[3].bytes_kept["not_selected"] == 0
 
 
 # ---- wrapper subclasses ---------------------------------------------------------------
