@@ -759,6 +759,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated offload_layers values, 0 <= k <= L or 'auto' (default: the preset's)",
     )
     parser.add_argument("--out", required=True, help="path of the JSON result")
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="after the rows, time ROUNDS rounds of one step of every row in turn "
+        "(round-robin: slow drifts of a shared host hit every row alike); 0: skip",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--compress-ks",
@@ -872,6 +879,50 @@ def runners(
         yield Checkpointed(layers), {"method": "checkpoint"}
 
 
+def interleaved(bench: Bench, args: argparse.Namespace, rounds: int) -> dict[str, Any]:
+    """Every row's step in turn, ``rounds`` times (after ``args.warmup`` steps of each):
+    the medians, and their ratios to the no-offload row, printed and returned."""
+    made = list(runners(bench.layers, args))
+    times: list[list[float]] = [[] for _ in made]
+
+    def step(runner: Runner) -> float:
+        bench.layers.zero_grad(set_to_none=True)
+        x = bench.new_input()
+        synchronize(bench.device)
+        start = bench.timer.mark()
+        runner.loss(x).backward()
+        end = bench.timer.mark()
+        synchronize(bench.device)
+        return bench.timer.elapsed_ms(start, end)
+
+    for runner, _ in made:
+        for _ in range(args.warmup):
+            step(runner)
+    for _ in range(rounds):
+        for i, (runner, _) in enumerate(made):
+            times[i].append(step(runner))
+    none = median(times[0])
+    out = {
+        "rounds": rounds,
+        "rows": [
+            tags
+            | {
+                "name": r.name,
+                "step_ms": t,
+                "step_ms_median": median(t),
+                "ratio_to_none": median(t) / none,
+            }
+            for (r, tags), t in zip(made, times)
+        ],
+    }
+    print(f"interleaved: {rounds} rounds, one step of each row per round (medians)")
+    for row in out["rows"]:
+        print(f"  {row['name']:<32}{row['step_ms_median']:>9.2f} ms {row['ratio_to_none']:>7.2f}x")
+    for runner, _ in made:
+        runner.close()
+    return out
+
+
 def model_name(args: argparse.Namespace) -> str:
     """``ref-8L``, ``tiny48``, ``quick``, or one of them followed by ``(custom sizes)``."""
     name = "quick" if args.quick else args.preset
@@ -928,6 +979,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_bandwidths(result)
     add_predictions(result)
     print_report(result)
+    if args.interleave:
+        result["interleaved"] = interleaved(bench, args, args.interleave)
     write_json(args.out, result)
     print(f"wrote {args.out}")
 

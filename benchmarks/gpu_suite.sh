@@ -46,8 +46,8 @@ for part in $parts; do
              --out "$OUT/bench_graphs_ref8l.json" 2>&1 | tail -15 ;;
     hooks) timeout 120 python3 benchmarks/bench_hooks.py --out "$OUT/bench_hooks.json" \
              2>&1 | tail -30 ;;
-    tiny48) timeout 240 python3 benchmarks/bench_activations.py --preset tiny48 \
-             --out "$OUT/bench_tiny48.json" 2>&1 | tail -16 ;;
+    tiny48) timeout 240 python3 benchmarks/bench_activations.py --preset tiny48 --interleave 15 \
+             --out "$OUT/bench_tiny48.json" 2>&1 | tail -24 ;;
     codec) timeout 120 python3 benchmarks/bench_codec.py --out "$OUT/bench_codec.json" 2>&1 | tail -20 ;;
     compress) timeout 300 python3 benchmarks/bench_compress_accuracy.py \
              --out "$OUT/bench_compress_accuracy.json" 2>&1 | tee "$OUT/bench_compress_accuracy.log" | tail -40
