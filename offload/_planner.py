@@ -11,6 +11,12 @@ Levers (:data:`LEVERS`):
   attention are kept, everything else (norms, activations, the gated product, casts)
   is recomputed in backward.
 * ``"checkpoint"``: full recompute; only the layer's inputs are kept.
+* ``"selective_offload"``: selective recompute whose kept tensors (the matrix products'
+  and attention's outputs) are offloaded like an ``"offload"`` layer's: the recompute
+  frees the cheap part, the link carries only what is expensive to recompute. Torch's
+  selective checkpointing keeps those outputs where saved-tensor hooks cannot see them,
+  so this lever has its own pair of dispatch modes (:class:`_KeepThroughOffloader`,
+  :class:`_RecomputeFromOffloader`) that hand them to the offloader and take them back.
 
 The cost model, measured on the user's own step (:func:`plan`), is deliberately small so
 that every prediction can be explained:
@@ -54,17 +60,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import _auto
+from offload._handles import Raw, unpack_hook
 from offload._plan import make_plan
 from offload.config import _check_int
 
-__all__ = ["LEVERS", "Plan", "PlanCosts", "candidates", "optimize", "plan"]
+__all__ = ["LEVERS", "OFFLOADED", "Plan", "PlanCosts", "candidates", "optimize", "plan"]
 
-#: The levers, in the order the search assigns them to layers.
-LEVERS = ("keep", "offload", "selective", "checkpoint")
+#: The levers (the search assigns them to layers in the order offload,
+#: selective_offload, checkpoint, selective, keep).
+LEVERS = ("keep", "offload", "selective", "checkpoint", "selective_offload")
 
-_SHORT = {"keep": "keep", "offload": "offload", "selective": "sel", "checkpoint": "ckpt"}
+#: The levers whose layers the offloader handles (in its ``offload_layers``).
+OFFLOADED = ("offload", "selective_offload")
+
+_SHORT = {
+    "keep": "keep",
+    "offload": "offload",
+    "selective": "sel",
+    "checkpoint": "ckpt",
+    "selective_offload": "sel+off",
+}
 
 
 def _check_levers(levers: Sequence[str], name: str) -> tuple[str, ...]:
@@ -174,18 +192,28 @@ class PlanCosts:
         s = self.saved_bytes[i]
         if lever == "keep":
             return s
-        if lever == "offload":
+        if lever in OFFLOADED:
             return 0.0
         if lever == "selective":
             return self.selective_kept * s
         return self.checkpoint_kept * s
+
+    def travels(self, i: int, lever: str) -> float:
+        """Bytes of layer ``i`` that the offloader handles under ``lever`` (held on the
+        device until the release point and again once reloaded): all ``S_i`` offloaded,
+        the selectively kept ``rho_sel * S_i`` under ``selective_offload``, else 0."""
+        if lever == "offload":
+            return self.saved_bytes[i]
+        if lever == "selective_offload":
+            return self.selective_kept * self.saved_bytes[i]
+        return 0.0
 
     def raw_memory(self, levers: Sequence[str]) -> float:
         """The model's activation peak for ``levers`` (not anchored): the largest of
         every layer's forward and every layer's backward (module docstring)."""
         L = len(levers)
         S, W = self.saved_bytes, self.workspace_bytes
-        offloaded = [i for i, lever in enumerate(levers) if lever == "offload"]
+        offloaded = [i for i, lever in enumerate(levers) if lever in OFFLOADED]
         schedule = make_plan(L, offloaded, None)
         released = {g: r for r, gs in schedule.release_at.items() for g in gs}
         reloaded = {g: q for q, gs in schedule.reload_at.items() for g in gs}
@@ -194,14 +222,18 @@ class PlanCosts:
         held = 0.0  # forward: what earlier layers hold when layer i starts
         for i in range(L):
             held = sum(
-                S[j] if levers[j] == "offload" and released.get(j, L) > i else resident[j]
+                self.travels(j, levers[j])
+                if levers[j] in OFFLOADED and released.get(j, L) > i
+                else resident[j]
                 for j in range(i)
             )
             peak = max(peak, held + S[i] + W)
         below = 0.0  # backward of layer i: residents below it, prefetched groups, itself
         for i in range(L):
-            prefetched = sum(S[j] for j in offloaded if j < i and reloaded.get(j, -1) >= i)
-            extra = self.prefetch_bytes if levers[i] == "offload" else 0.0
+            prefetched = sum(
+                self.travels(j, levers[j]) for j in offloaded if j < i and reloaded.get(j, -1) >= i
+            )
+            extra = self.prefetch_bytes if levers[i] in OFFLOADED else 0.0
             peak = max(peak, below + prefetched + S[i] + extra + W)
             below += resident[i]
         return max(peak, below)
@@ -220,18 +252,24 @@ class PlanCosts:
         out = []
         for i, lever in enumerate(levers):
             fwd, bwd = self.forward_s[i], self.backward_s[i]
+            share = 0.0  # of the layer's link bytes that travel
             if lever == "selective":
                 bwd += self.selective_s[i]
             elif lever == "checkpoint":
                 bwd += self.checkpoint_s[i]
-            elif lever == "offload" and self.offload_s is not None:
-                fwd += self.offload_s[i] / 2
-                bwd += self.offload_s[i] / 2
-            out.append(_auto.LayerCost(fwd, bwd, link[i] if lever == "offload" else 0))
+            elif lever == "offload":
+                share = 1.0
+            elif lever == "selective_offload":
+                bwd += self.selective_s[i]
+                share = self.selective_kept
+            if share and self.offload_s is not None:
+                fwd += share * self.offload_s[i] / 2
+                bwd += share * self.offload_s[i] / 2
+            out.append(_auto.LayerCost(fwd, bwd, int(share * link[i])))
         return out
 
     def raw_seconds(self, levers: Sequence[str]) -> float:
-        offloaded = [i for i, lever in enumerate(levers) if lever == "offload"]
+        offloaded = [i for i, lever in enumerate(levers) if lever in OFFLOADED]
         return _auto.predict_step(
             self._layer_costs(levers), offloaded, self.d2h_bps, self.h2d_bps, None, self.gap_s
         )
@@ -251,8 +289,14 @@ class PlanCosts:
         return cls(**data)
 
 
-def _family(L: int, k: int, c: int, s: int) -> list[str]:
-    return ["offload"] * k + ["checkpoint"] * c + ["selective"] * s + ["keep"] * (L - k - c - s)
+def _family(L: int, k: int, o: int, c: int, s: int) -> list[str]:
+    return (
+        ["offload"] * k
+        + ["selective_offload"] * o
+        + ["checkpoint"] * c
+        + ["selective"] * s
+        + ["keep"] * (L - k - o - c - s)
+    )
 
 
 def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS) -> list[str]:
@@ -279,35 +323,37 @@ def candidates(
     costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS
 ) -> list[tuple[float, list[str]]]:
     """Every plan of the searched form whose predicted peak fits ``budget_bytes`` (for
-    each ``k`` offloaded and ``c`` checkpointed, the fewest selective layers that fit),
-    as ``(predicted seconds, levers)``, fastest first. Same arguments and errors as
-    :func:`optimize`."""
+    each ``k`` offloaded, ``o`` selective_offload and ``c`` checkpointed, the fewest
+    selective layers that fit), as ``(predicted seconds, levers)``, fastest first. Same
+    arguments and errors as :func:`optimize`."""
     allowed = set(_check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     ks = range(L) if "offload" in allowed else [0]  # the last layer is never offloaded
     found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
     for k in ks:
-        cs = range(L - k + 1) if "checkpoint" in allowed else [0]
-        for c in cs:
-            top = L - k - c if "selective" in allowed else 0
-            # memory does not grow as layers go from kept to selective: take the first
-            # count that fits (binary search), the cheapest of this (k, c)
-            lo, hi = 0, top
-            if costs.memory(_family(L, k, c, hi)) > budget_bytes:
-                candidate = _family(L, k, c, hi)
-                mem = costs.memory(candidate)
-                if smallest is None or mem < smallest[0]:
-                    smallest = (mem, candidate)
-                continue
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if costs.memory(_family(L, k, c, mid)) <= budget_bytes:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            candidate = _family(L, k, c, lo)
-            found.append((costs.seconds(candidate), candidate))
+        os_ = range(L - k) if "selective_offload" in allowed else [0]
+        for o in os_:
+            cs = range(L - k - o + 1) if "checkpoint" in allowed else [0]
+            for c in cs:
+                top = L - k - o - c if "selective" in allowed else 0
+                # memory does not grow as layers go from kept to selective: take the
+                # first count that fits (binary search), the cheapest of this (k, o, c)
+                lo, hi = 0, top
+                if costs.memory(_family(L, k, o, c, hi)) > budget_bytes:
+                    candidate = _family(L, k, o, c, hi)
+                    mem = costs.memory(candidate)
+                    if smallest is None or mem < smallest[0]:
+                        smallest = (mem, candidate)
+                    continue
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if costs.memory(_family(L, k, o, c, mid)) <= budget_bytes:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                candidate = _family(L, k, o, c, lo)
+                found.append((costs.seconds(candidate), candidate))
     if not found:
         assert smallest is not None
         raise ValueError(
@@ -376,14 +422,58 @@ def _selective_context() -> Any:
     )
 
 
-class _Recompute:
-    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant), full or
-    selective; installed as the module's instance attribute ``forward`` and removed by
-    :meth:`remove` (which restores what was there before)."""
+class _KeepThroughOffloader(TorchDispatchMode):
+    """The forward half of ``selective_offload``: runs every op and hands each tensor
+    output of the kept ops (:func:`_save_ops`) to ``pack`` (the offloader's saved-tensor
+    pack: a copy to the host, released on the offloader's schedule), in call order per
+    op, into ``storage``."""
 
-    def __init__(self, module: torch.nn.Module, lever: str) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], Any], storage: dict[Any, list]) -> None:
+        super().__init__()
+        self.pack = pack
+        self.storage = storage
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVE:
+            if isinstance(out, torch.Tensor):
+                entry: Any = self.pack(out)
+            else:
+                entry = tuple(self.pack(t) if isinstance(t, torch.Tensor) else Raw(t) for t in out)
+            self.storage.setdefault(func, []).append(entry)
+        return out
+
+
+class _RecomputeFromOffloader(TorchDispatchMode):
+    """The recompute half of ``selective_offload``: a kept op returns what
+    :class:`_KeepThroughOffloader` stored for its next call (reloaded by the offloader:
+    ``unpack_hook``) instead of running again; every other op runs."""
+
+    def __init__(self, storage: dict[Any, list]) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _SAVE:
+            entries = self.storage.get(func)
+            if entries:
+                entry = entries.pop(0)
+                if isinstance(entry, tuple):
+                    return tuple(unpack_hook(e) for e in entry)
+                return unpack_hook(entry)
+        return func(*args, **(kwargs or {}))
+
+
+class _Recompute:
+    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full,
+    selective, or selective with the kept tensors offloaded (``offloader``, entered
+    around the forward); installed as the module's instance attribute ``forward`` and
+    removed by :meth:`remove` (which restores what was there before)."""
+
+    def __init__(self, module: torch.nn.Module, lever: str, offloader: Any = None) -> None:
         self.module = module
         self.lever = lever
+        self.offloader = offloader
         self.had_attr = "forward" in module.__dict__
         self.previous = module.__dict__.get("forward")
         self.inner = module.forward
@@ -397,7 +487,18 @@ class _Recompute:
         extra: dict[str, Any] = {}
         if self.lever == "selective":
             extra["context_fn"] = _selective_context
+        elif self.lever == "selective_offload":
+            extra["context_fn"] = self._offload_context
         return checkpoint(self.inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    def _offload_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        """``context_fn`` of ``selective_offload``: a fresh storage per layer call. Outside
+        the offloader's context the kept tensors stay on the device (``Raw``)."""
+        off = self.offloader
+        step = off._step if off is not None else None
+        pack = step.pack if step is not None else Raw
+        storage: dict[Any, list] = {}
+        return _KeepThroughOffloader(pack, storage), _RecomputeFromOffloader(storage)
 
     def remove(self) -> None:
         if self.module.__dict__.get("forward") is self:
@@ -419,7 +520,8 @@ class Plan:
 
     Args:
         layers: the layers, in call order (each called once per forward).
-        levers: one of :data:`LEVERS` per layer; the last layer cannot be ``"offload"``.
+        levers: one of :data:`LEVERS` per layer; the last layer cannot be ``"offload"``
+            or ``"selective_offload"``.
         costs: the :class:`PlanCosts` the plan was chosen with, or ``None``.
         budget_bytes: the budget it was chosen for, or ``None``.
         compress: ``compress`` of the offloader (``None`` or ``"fp8"``).
@@ -459,11 +561,11 @@ class Plan:
                 f"levers has {len(self.levers)} entries for {len(self.layers)} layers; give one "
                 f"per layer"
             )
-        if self.levers and self.levers[-1] == "offload":
+        if self.levers and self.levers[-1] in OFFLOADED:
             raise ValueError(
-                "levers: the last layer cannot be 'offload' (its backward starts as soon as "
-                "its forward ends: nothing to hide the copy behind); use 'keep' or a "
-                "recompute lever"
+                f"levers: the last layer cannot be {self.levers[-1]!r} (its backward starts "
+                f"as soon as its forward ends: nothing to hide the copy behind); use 'keep' "
+                f"or a recompute lever"
             )
         self.costs = costs
         self.budget_bytes = budget_bytes
@@ -567,10 +669,7 @@ class Plan:
         if self.applied:
             raise RuntimeError("this plan is applied already; call remove() first")
         try:
-            for layer, lever in zip(self.layers, self.levers):
-                if lever in ("selective", "checkpoint"):
-                    self._wrappers.append(_Recompute(layer, lever))
-            offloaded = [i for i, lever in enumerate(self.levers) if lever == "offload"]
+            offloaded = [i for i, lever in enumerate(self.levers) if lever in OFFLOADED]
             if offloaded:
                 self._offloader = ActivationOffloader(
                     self.layers,
@@ -578,8 +677,11 @@ class Plan:
                     compress=self.compress,
                     min_tensor_bytes=self.min_tensor_bytes,
                 )
-                if model is not None:
-                    self._handle = self._offloader.attach(model)
+            for layer, lever in zip(self.layers, self.levers):
+                if lever in ("selective", "checkpoint", "selective_offload"):
+                    self._wrappers.append(_Recompute(layer, lever, self._offloader))
+            if self._offloader is not None and model is not None:
+                self._handle = self._offloader.attach(model)
         except BaseException:
             self.remove()
             raise
@@ -638,8 +740,12 @@ class Plan:
                 table.add_row(str(i), lever, "-", "-", "-")
                 continue
             kept = c.resident(i, lever)
-            link = c._link()[i] if lever == "offload" else 0
-            extra = {"selective": c.selective_s[i], "checkpoint": c.checkpoint_s[i]}.get(lever, 0.0)
+            link = c.travels(i, lever) * c._link()[i] / max(1, c.saved_bytes[i])
+            extra = {
+                "selective": c.selective_s[i],
+                "checkpoint": c.checkpoint_s[i],
+                "selective_offload": c.selective_s[i],
+            }.get(lever, 0.0)
             kept_total += kept
             link_total += link
             extra_total += extra
@@ -941,7 +1047,7 @@ def plan(
         return tuple(max(0.0, extra_s) * f / total_f for f in fwd)
 
     link = list(saved)
-    if "offload" in allowed and L > 1:
+    if ("offload" in allowed or "selective_offload" in allowed) and L > 1:
         off = ActivationOffloader(
             layers, offload_layers="all", compress=compress, min_tensor_bytes=min_tensor_bytes
         )
@@ -957,7 +1063,7 @@ def plan(
             ratio = sent / moved
             link = [int(s * ratio) for s in saved]
     for lever in ("selective", "checkpoint"):
-        if lever in allowed:
+        if lever in allowed or (lever == "selective" and "selective_offload" in allowed):
             wrappers = [_Recompute(layer, lever) for layer in layers]
             try:
                 configs[lever] = _run(step_fn, steps, warmup)

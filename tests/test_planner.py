@@ -15,7 +15,7 @@ import torch
 
 import offload
 from offload import _planner
-from offload._planner import LEVERS, Plan, PlanCosts, optimize
+from offload._planner import LEVERS, OFFLOADED, Plan, PlanCosts, optimize
 from offload._reference import ReferenceModel
 
 MIB = 1 << 20
@@ -55,7 +55,7 @@ def _brute_force(costs: PlanCosts, budget: float, levers=LEVERS) -> tuple[float,
     best = None
     L = costs.num_layers
     for combo in itertools.product(levers, repeat=L):
-        if combo[-1] == "offload" or costs.memory(combo) > budget:
+        if combo[-1] in OFFLOADED or costs.memory(combo) > budget:
             continue
         t = costs.seconds(combo)
         if best is None or t < best[0]:
@@ -170,8 +170,10 @@ def _assert_same(a, b) -> None:
         ["selective"] * 4,
         ["checkpoint"] * 4,
         ["offload", "checkpoint", "selective", "keep"],
+        ["selective_offload"] * 3 + ["keep"],
+        ["offload", "selective_offload", "checkpoint", "selective"],
     ],
-    ids=["offload", "selective", "checkpoint", "mixed"],
+    ids=["offload", "selective", "checkpoint", "mixed", "selective_offload", "mixed2"],
 )
 def test_every_lever_bitwise_on_reference_block(levers) -> None:
     model = _ref_model()
@@ -182,10 +184,13 @@ def test_every_lever_bitwise_on_reference_block(levers) -> None:
         want = _step(ref, x)
         got = _step(model, x)
         _assert_same(want, got)
-    if "offload" in levers:
-        assert p.offloader.stats.bytes_offloaded > 0
+    if set(levers) & set(OFFLOADED):
+        stats = p.offloader.stats
+        assert stats.bytes_reloaded == stats.bytes_offloaded > 0
+        for la, lever in zip(stats.layers, levers):
+            assert (la.bytes_offloaded > 0) == (lever in OFFLOADED)
     for layer, lever in zip(model.layers, levers):
-        recomputed = lever in ("selective", "checkpoint")
+        recomputed = lever in ("selective", "checkpoint", "selective_offload")
         assert ("forward" in layer.__dict__) == recomputed
     p.remove()
     assert all("forward" not in layer.__dict__ for layer in model.layers)
@@ -260,7 +265,11 @@ def test_hf_llama_every_lever_bitwise() -> None:
         return loss.detach(), [prm.grad.clone() for prm in m.parameters()]
 
     layers = offload.find_layers(model)
-    for levers in (["offload", "selective", "checkpoint"], ["checkpoint", "offload", "keep"]):
+    for levers in (
+        ["offload", "selective", "checkpoint"],
+        ["checkpoint", "offload", "keep"],
+        ["selective_offload", "selective_offload", "keep"],
+    ):
         p = Plan(layers, levers, min_tensor_bytes=0).apply(model)
         _assert_same(step(ref), step(model))
         assert p.offloader.stats.bytes_offloaded > 0
@@ -422,3 +431,48 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         _assert_same(_step(ref, x), _step(model, x))
     finally:
         chosen.remove()
+
+
+def test_selective_offload_sends_only_what_selective_keeps() -> None:
+    """The kept part of a selective layer (matrix products, attention) travels; the
+    rest is recomputed: fewer bytes than offloading the layer, none of them recomputed
+    ones, and the kept tensors are really released (their storages die)."""
+    model = _ref_model()
+    x = torch.randn(2, 32, 64)
+    sent = {}
+    for lever in ("offload", "selective_offload"):
+        p = Plan(model.layers, [lever] * 3 + ["keep"], min_tensor_bytes=0).apply()
+        with p:
+            loss = model.loss(x)
+        stats = p.offloader.stats
+        sent[lever] = [la.bytes_offloaded for la in stats.layers]
+        assert stats.bytes_released > 0
+        loss.backward()
+        assert p.offloader.stats.bytes_reloaded == stats.bytes_offloaded
+        p.remove()
+    for full, part in zip(sent["offload"][1:3], sent["selective_offload"][1:3]):
+        assert 0.3 * full < part < 0.9 * full, sent
+    # outside the plan's context the kept tensors stay on the device: still bitwise
+    ref = copy.deepcopy(model)
+    p = Plan(model.layers, ["selective_offload"] * 3 + ["keep"], min_tensor_bytes=0).apply()
+    _assert_same(_step(ref, x), _step(model, x))
+    assert p.offloader.stats.bytes_offloaded == 0
+    p.remove()
+
+
+def test_selective_offload_in_the_cost_model() -> None:
+    c = _costs(sel_kept=0.6)
+    L = c.num_layers
+    levers = ["selective_offload"] * (L - 1) + ["keep"]
+    assert [c.resident(i, lv) for i, lv in enumerate(levers)][:-1] == [0.0] * (L - 1)
+    assert c.travels(0, "selective_offload") == pytest.approx(0.6 * c.saved_bytes[0])
+    # it frees at least what selective frees, and sends less than offloading
+    assert c.memory(levers) <= c.memory(["selective"] * (L - 1) + ["keep"])
+    costs = c._layer_costs(levers)
+    assert costs[0].nbytes == int(0.6 * c.saved_bytes[0])
+    assert c._layer_costs(["offload"] * (L - 1) + ["keep"])[0].nbytes == c.saved_bytes[0]
+    with pytest.raises(ValueError, match="last layer cannot be 'selective_offload'"):
+        Plan(
+            torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2)),
+            ["keep", "selective_offload"],
+        )
