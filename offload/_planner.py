@@ -192,8 +192,11 @@ class PlanCosts:
         s = self.saved_bytes[i]
         if lever == "keep":
             return s
-        if lever in OFFLOADED:
+        if lever == "offload":
             return 0.0
+        if lever == "selective_offload":
+            # what full recompute keeps (the layer's inputs, held by the checkpoint) stays
+            return min(self.checkpoint_kept, self.selective_kept) * s
         if lever == "selective":
             return self.selective_kept * s
         return self.checkpoint_kept * s
@@ -201,11 +204,12 @@ class PlanCosts:
     def travels(self, i: int, lever: str) -> float:
         """Bytes of layer ``i`` that the offloader handles under ``lever`` (held on the
         device until the release point and again once reloaded): all ``S_i`` offloaded,
-        the selectively kept ``rho_sel * S_i`` under ``selective_offload``, else 0."""
+        what selective recompute keeps beyond the layer's inputs, ``(rho_sel - rho_ckpt)
+        * S_i``, under ``selective_offload`` (the inputs stay with the checkpoint), else 0."""
         if lever == "offload":
             return self.saved_bytes[i]
         if lever == "selective_offload":
-            return self.selective_kept * self.saved_bytes[i]
+            return max(0.0, self.selective_kept - self.checkpoint_kept) * self.saved_bytes[i]
         return 0.0
 
     def raw_memory(self, levers: Sequence[str]) -> float:
@@ -222,9 +226,7 @@ class PlanCosts:
         held = 0.0  # forward: what earlier layers hold when layer i starts
         for i in range(L):
             held = sum(
-                self.travels(j, levers[j])
-                if levers[j] in OFFLOADED and released.get(j, L) > i
-                else resident[j]
+                resident[j] + (self.travels(j, levers[j]) if released.get(j, L) > i else 0.0)
                 for j in range(i)
             )
             peak = max(peak, held + S[i] + W)
@@ -261,7 +263,7 @@ class PlanCosts:
                 share = 1.0
             elif lever == "selective_offload":
                 bwd += self.selective_s[i]
-                share = self.selective_kept
+                share = max(0.0, self.selective_kept - self.checkpoint_kept)
             if share and self.offload_s is not None:
                 fwd += share * self.offload_s[i] / 2
                 bwd += share * self.offload_s[i] / 2
@@ -893,10 +895,15 @@ def _verified(
         if got["peak_bytes"] <= limit:
             return levers, checks
     worst = min(checks, key=lambda c: c["measured_bytes"])
+    tried = "; ".join(
+        f"[{' '.join(_SHORT[x] for x in c['levers'])}] predicted "
+        f"{c['predicted_bytes'] / 2**30:.3f}, measured {c['measured_bytes'] / 2**30:.3f} GiB"
+        for c in checks
+    )
     raise ValueError(
         f"budget={limit / 2**30:.3f} GiB: the {len(checks)} fastest plans predicted to fit "
         f"measured above it (lowest {worst['measured_bytes'] / 2**30:.3f} GiB, levers "
-        f"{_summary(worst['levers'])}); raise the budget"
+        f"{_summary(worst['levers'])}); raise the budget. Tried: {tried}"
     )
 
 

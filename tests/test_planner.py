@@ -461,15 +461,18 @@ def test_selective_offload_sends_only_what_selective_keeps() -> None:
 
 
 def test_selective_offload_in_the_cost_model() -> None:
-    c = _costs(sel_kept=0.6)
+    c = _costs(sel_kept=0.6, ckpt_kept=0.05)
     L = c.num_layers
     levers = ["selective_offload"] * (L - 1) + ["keep"]
-    assert [c.resident(i, lv) for i, lv in enumerate(levers)][:-1] == [0.0] * (L - 1)
-    assert c.travels(0, "selective_offload") == pytest.approx(0.6 * c.saved_bytes[0])
+    # the layer's inputs stay (held by the checkpoint); what selective keeps beyond them
+    # travels
+    S = c.saved_bytes[0]
+    assert c.resident(0, "selective_offload") == pytest.approx(0.05 * S)
+    assert c.travels(0, "selective_offload") == pytest.approx(0.55 * S)
     # it frees at least what selective frees, and sends less than offloading
     assert c.memory(levers) <= c.memory(["selective"] * (L - 1) + ["keep"])
     costs = c._layer_costs(levers)
-    assert costs[0].nbytes == int(0.6 * c.saved_bytes[0])
+    assert abs(costs[0].nbytes - 0.55 * S) <= 2
     assert c._layer_costs(["offload"] * (L - 1) + ["keep"])[0].nbytes == c.saved_bytes[0]
     with pytest.raises(ValueError, match="last layer cannot be 'selective_offload'"):
         Plan(
