@@ -896,7 +896,7 @@ def _verified(
             return levers, checks
     worst = min(checks, key=lambda c: c["measured_bytes"])
     tried = "; ".join(
-        f"[{' '.join(_SHORT[x] for x in c['levers'])}] predicted "
+        f"({' '.join(_SHORT[x] for x in c['levers'])}) predicted "
         f"{c['predicted_bytes'] / 2**30:.3f}, measured {c['measured_bytes'] / 2**30:.3f} GiB"
         for c in checks
     )

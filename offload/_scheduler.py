@@ -707,13 +707,22 @@ class Step:
         Hot path (Note [release order], 1): every check below runs for every tensor, in
         this order; what is computed once (the storage, the span) is reused."""
         device = t.device
-        if self.device is None and device.type in ("cpu", "cuda"):
-            self.device = device
-            self.backend = self.rt.backend(device)
-            if group.stream is None:
-                group.stream = self.backend.current_stream()
         if device != self.device:
-            return self._keep("device", group, t)
+            if t.dim() == 0 or t.numel() == 0:
+                # a scalar or an empty tensor (attention's RNG state, a CPU scalar beside
+                # CUDA activations) neither travels nor chooses the step's device
+                return self._keep("small", group, t)
+            if device.type in ("cpu", "cuda") and (
+                self.device is None
+                # a CPU tensor seen first gives way to the accelerator while nothing
+                # has been copied
+                or (self.device.type == "cpu" and device.type == "cuda" and not self.storages)
+            ):
+                self.device = device
+                self.backend = self.rt.backend(device)
+                group.stream = self.backend.current_stream()
+            else:
+                return self._keep("device", group, t)
         state = group.state
         if state is None:
             state = group.state = _placement.layer_state(group.module)

@@ -320,3 +320,28 @@ def test_timing_measures_copies_at_link_speed() -> None:
             if la.offloaded
         ],
     )
+
+
+def test_cpu_scalar_saved_first_does_not_pin_the_offloader_to_the_cpu() -> None:
+    """A layer whose first saved tensor is a CPU scalar (``x * torch.tensor(2.0)`` saves
+    the scalar; SDPA's dispatch returns CPU tensors beside its CUDA outputs) still
+    offloads its CUDA activations: the CPU binding gives way while nothing was copied."""
+
+    class ScalarFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x * torch.tensor(2.0)))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ScalarFirst() for _ in range(3)).to(DEV)
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    x = torch.randn(64, 256, device=DEV, requires_grad=True)
+    assert_same(run(layers, x, off), run(ref, x))
+    stats = off.stats
+    assert stats.bytes_kept["device"] == 0
+    assert [la.bytes_offloaded > 0 for la in stats.layers] == [True, True, False]
+    off.close()

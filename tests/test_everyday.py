@@ -432,3 +432,23 @@ def test_exception_in_a_layer_not_offloaded_restores_the_hook_stack() -> None:
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         a.sum().backward()
+
+
+def test_scalars_and_empty_tensors_neither_travel_nor_choose_the_device() -> None:
+    class ScalarFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x * torch.tensor(2.0)))  # saves the scalar first
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ScalarFirst() for _ in range(3))
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert_same(step(layers, x, models.run_plain, off), step(ref, x, models.run_plain, None))
+    stats = off.stats
+    assert stats.bytes_kept["small"] == 3 * 4  # one fp32 scalar per layer call
+    assert [la.bytes_offloaded > 0 for la in stats.layers] == [True, True, False]
