@@ -447,7 +447,7 @@ def test_scalars_and_empty_tensors_neither_travel_nor_choose_the_device() -> Non
     layers = nn.ModuleList(ScalarFirst() for _ in range(3))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
-    x = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(8, 16)
     assert_same(step(layers, x, models.run_plain, off), step(ref, x, models.run_plain, None))
     stats = off.stats
     assert stats.bytes_kept["small"] == 3 * 4  # one fp32 scalar per layer call
