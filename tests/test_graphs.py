@@ -231,3 +231,32 @@ def test_make_graphed_callables_argument_errors() -> None:
         off = offload.ActivationOffloader(layers, offload_layers=1)
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             offload.make_graphed_callables(tuple(layers), (), offloader=off)
+
+
+def test_te_style_context_captured_binds_its_host_blocks(capturing: list[bool]) -> None:
+    layers, _ = _model(4)
+    x = torch.randn(4, 512, 64, requires_grad=True)  # tensors above TE's size threshold
+    ref_layers = twin(layers)
+    capturing[0] = False
+    want = _step(ref_layers, x)
+    ctx, sync = offload.get_cpu_offload_context(
+        True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers=True
+    )
+    capturing[0] = True
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    h.square().mean().backward()
+    got = [p.grad for p in layers.parameters()] + [x.grad]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert ctx.step.capture == "step"
+    stats = ctx.stats
+    assert stats.bytes_offloaded > 0
+    rt = ctx.runtime
+    assert sum(b.nbytes for b in rt.graph_blocks) == rt.pool.in_use_bytes > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
 
@@ -57,6 +58,25 @@ def eager_grads(layers, x: torch.Tensor) -> list[torch.Tensor]:
         p.grad = None
     forward_loss(layers, x).backward()
     return [p.grad.clone() for p in layers.parameters()]
+
+
+PACKAGE = os.path.dirname(offload.__file__)
+
+
+def python_of_ours(fn) -> list[str]:
+    """The functions of the offload package that run while ``fn()`` runs."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
 
 
 def capture_step(layers, static_x: torch.Tensor, off=None) -> tuple[torch.cuda.CUDAGraph, int]:
@@ -110,7 +130,7 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
         x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
         static_x.copy_(x)
         static_plain.copy_(x)
-        graph.replay()
+        assert python_of_ours(graph.replay) == []  # nothing of ours runs on replay
         graph_plain.replay()
         got = [p.grad.clone() for p in layers.parameters()]
         control = [p.grad.clone() for p in plain.parameters()]
@@ -198,9 +218,79 @@ def test_per_layer_graphed_callables_bitwise_over_replays() -> None:
         x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         want = eager_grads(ref, x.detach())
         control = grads(graphed_plain, list(plain.parameters()), x)
-        got = grads(graphed, list(layers.parameters()), x)
+        got: list[torch.Tensor] = []
+        ours = python_of_ours(lambda: got.extend(grads(graphed, list(layers.parameters()), x)))
+        assert ours == [], ours  # the replays run no code of the package
         assert all(torch.equal(a, b) for a, b in zip(control, want))  # control
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     torch.cuda.synchronize()
     assert (pool.in_use_bytes, pool.reserved_bytes) == before
     off.close()
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"])
+def test_whole_step_graph_attention_backends(backend: str) -> None:
+    """TransformerEngine tests graphs x attention backends; the same here: each SDPA
+    backend, captured with offloading, replays bitwise equal to its eager step."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layers = llama(3)
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    static_x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        graph, _ = capture_step(layers, static_x, off)
+        for _ in range(5):
+            x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
+            static_x.copy_(x)
+            graph.replay()
+            got = [p.grad.clone() for p in layers.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
+    assert off.stats.bytes_offloaded > 0
+    del graph
+    off.close()
+
+
+def test_te_style_context_inside_a_whole_step_graph() -> None:
+    """``get_cpu_offload_context`` (TransformerEngine's API) entered per layer inside a
+    capture, ``retain_pinned_cpu_buffers=True`` as TE's graph recipe passes it."""
+    layers = llama(4)
+    ref = twin(layers)
+    ctx, sync = offload.get_cpu_offload_context(
+        True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers=True
+    )
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in layers:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+        return h.float().square().mean()
+
+    static_x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for p in layers.parameters():
+                p.grad = None
+            loss_of(static_x).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in layers.parameters():
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss_of(static_x).backward()
+    assert ctx.step.capture == "step"
+    assert ctx.stats.bytes_offloaded > 0
+    pool = ctx.runtime.pool
+    before = (pool.in_use_bytes, pool.reserved_bytes)
+    for _ in range(REPLAYS):
+        x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
+        static_x.copy_(x)
+        graph.replay()
+        got = [p.grad.clone() for p in layers.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
+    torch.cuda.synchronize()
+    assert (pool.in_use_bytes, pool.reserved_bytes) == before
