@@ -164,7 +164,8 @@ def make_graphed_callables(
 
     Invariants: replays are bitwise equal to the same graphs captured without
     offloading; the host blocks the graphs write are bound to them until
-    ``offloader.close()`` (the pool's bytes do not change across replays); nothing of
+    ``offloader.free_graph_memory()`` or the offloader's deletion (keep it referenced
+    while the graphs are replayed; the pool's bytes do not change across replays); nothing of
     the offloader runs in Python on replay. ``offloader.stats`` afterwards merges the
     captured layer calls.
 

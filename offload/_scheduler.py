@@ -99,8 +99,10 @@ order captured, and nothing of ours runs in Python on replay. Three things diffe
 
 - The host blocks a captured copy wrote are *bound to the graph*: every replay writes
   and reads the same host addresses, so at step 7 a captured copy's block is not
-  returned to the pool but kept (``Runtime.graph_blocks``) until the offloader is
-  closed. The pool's bytes stay flat across replays because replays allocate nothing.
+  returned to the pool but kept (``Runtime.graph_blocks``), with its slab, until
+  ``free_graph_memory()`` or until the offloader itself is deleted (``close()`` keeps
+  them: a graph may still be replayed). The pool's bytes stay flat across replays
+  because replays allocate nothing.
 - No captured D2H waits for the pool's H2D fence (step 1) and no captured reload
   becomes the fence: a wait inside a capture on an event recorded outside it is not
   allowed, and no other copy ever reuses a graph-bound block, which is all the fence
@@ -394,14 +396,23 @@ class Runtime:
             step._retire(copy, group)
 
     def close(self) -> None:
+        """Give the pool's slabs back, except those of graph-bound blocks (each block
+        keeps its slab alive): a captured graph may still be replayed."""
         with self.lock:
             self.drain()
-            for block in self.graph_blocks:
-                if block.slab is not None:
-                    self._pool.free(block)  # type: ignore[union-attr]
-            self.graph_blocks.clear()
             if self._pool is not None:
                 self._pool.close()  # the pool can grow again if the offloader is reused
+
+    def free_graph_memory(self) -> int:
+        """Forget the host blocks bound to captured graphs; returns their bytes."""
+        with self.lock:
+            freed = 0
+            for block in self.graph_blocks:
+                if block.slab is not None:
+                    freed += block.nbytes
+                    self.pool.free(block)
+            self.graph_blocks.clear()
+            return freed
 
 
 # --------------------------------------------------------------------------------------

@@ -441,11 +441,26 @@ class ActivationOffloader:
 
         Tensors still saved by a graph keep their own host blocks alive until the graph
         is freed; the offloader can be entered again (a new pool is made on demand).
+        Host memory bound to captured CUDA graphs stays (a graph may still be replayed)
+        until :meth:`free_graph_memory` or until the offloader is deleted.
         """
         if self._closed:
             return
         self._closed = True
         self._runtime.close()
+
+    def free_graph_memory(self) -> int:
+        """Release the host memory that CUDA graphs captured with this offloader write
+        at every replay (``torch.cuda.graph`` with the offloader entered inside, or
+        :func:`offload.make_graphed_callables`). Call it only once those graphs will
+        not be replayed again (delete them first): a replay afterwards would write host
+        memory the pool may have handed to someone else. Deleting the offloader does the
+        same, so keep it referenced while its graphs are replayed.
+
+        Returns:
+            The bytes released (0 when no graph was captured).
+        """
+        return self._runtime.free_graph_memory()
 
     def __del__(self) -> None:
         try:

@@ -71,8 +71,12 @@ def test_whole_step_capture_binds_host_blocks(capturing: list[bool]) -> None:
     assert rt.pool.in_use_bytes == bound
     addresses = {(id(b.slab), b.start) for b in rt.graph_blocks}
     assert len(addresses) == len(rt.graph_blocks)
-    off.close()
+    off.close()  # a graph may still be replayed: its blocks and their slabs stay
+    assert sum(b.nbytes for b in rt.graph_blocks) == bound
+    assert all(b.slab is not None and b.slab.buffer.numel() for b in rt.graph_blocks)
+    assert off.free_graph_memory() == bound
     assert rt.graph_blocks == [] and rt.pool.in_use_bytes == 0
+    assert off.free_graph_memory() == 0
 
 
 def test_captured_step_never_waits_for_or_sets_the_fence(capturing: list[bool]) -> None:

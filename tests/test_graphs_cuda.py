@@ -150,6 +150,7 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
     assert off.stats.bytes_offloaded > 0 and off._last.capture is None
     del graph
     off.close()
+    assert off.free_graph_memory() > 0
     assert off._runtime.graph_blocks == []
 
 
