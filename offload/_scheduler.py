@@ -19,7 +19,8 @@ safe?". Code and tests cite it.
 Forward, group g (the call of layer g), offloaded:
 
 1. *Pack.* A saved tensor's byte span is copied into a host block at save time (in
-   batches of a few tensors, and always before the group closes: ``_D2H_BATCH``):
+   batches of a few tensors, a large one at once, and always before the group closes:
+   ``_D2H_BATCH``, ``_D2H_EAGER_BYTES``):
    the D2H stream first waits for the current (compute) stream, so the copy starts
    after the kernel that produced the bytes (4.1(a)), and for the pool's H2D fence, so
    the host block is not overwritten while an earlier backward still reads it (4.1(d)).
@@ -192,6 +193,12 @@ _nbytes = _placement.kept_bytes
 #: and one stream switch per batch instead of per saved tensor; a batch is also issued
 #: when its group closes, so no copy waits longer than its layer.
 _D2H_BATCH = 8
+#: ... except that a span of at least this many bytes is issued at once (with what is
+#: queued before it): batching saves host time per small copy, while a large copy that
+#: waited for the rest of its batch (or for its group to close, when the layer saves
+#: few tensors: the matmul outputs of a ``selective_offload`` layer) starts late and
+#: leaves the link idle meanwhile.
+_D2H_EAGER_BYTES = 16 << 20
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -836,7 +843,7 @@ class Step:
                 pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
             queue = self.d2h_queue
             queue.append(pair)
-            if len(queue) >= _D2H_BATCH:
+            if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
                 self._flush_d2h(group)
             group.device_refs.append((alias, version, copy))
             if copies is None:
