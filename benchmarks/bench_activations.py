@@ -392,6 +392,20 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     }
 
 
+def timed_step(bench: Bench, runner: Runner) -> tuple[float, float]:
+    """One step of ``runner`` on a fresh input, gradients set to ``None`` first:
+    ``(device ms, host wall ms)``, with a device synchronisation at each end."""
+    bench.layers.zero_grad(set_to_none=True)
+    x = bench.new_input()
+    synchronize(bench.device)
+    wall_start = time.perf_counter()
+    start = bench.timer.mark()
+    runner.loss(x).backward()
+    end = bench.timer.mark()
+    synchronize(bench.device)
+    return bench.timer.elapsed_ms(start, end), (time.perf_counter() - wall_start) * 1e3
+
+
 def measure_row(bench: Bench, runner: Runner, steps: int, warmup: int) -> dict[str, Any]:
     """Warm-up, timed steps, one memory step and (CUDA) one profiled step of ``runner``."""
 
@@ -407,20 +421,12 @@ def measure_row(bench: Bench, runner: Runner, steps: int, warmup: int) -> dict[s
 
     step_ms, wall_ms, sent, received = [], [], [], []
     for _ in range(steps):
-        bench.layers.zero_grad(set_to_none=True)
-        x = bench.new_input()
-        synchronize(bench.device)
-        wall_start = time.perf_counter()
-        start = bench.timer.mark()
-        step(x)
-        end = bench.timer.mark()
-        synchronize(bench.device)
-        wall_ms.append((time.perf_counter() - wall_start) * 1e3)
-        step_ms.append(bench.timer.elapsed_ms(start, end))
+        device_ms, host_ms = timed_step(bench, runner)
+        step_ms.append(device_ms)
+        wall_ms.append(host_ms)
         d2h, h2d = runner.traffic()
         sent.append(d2h)
         received.append(h2d)
-        del x
     row: dict[str, Any] = {
         "name": runner.name,
         "step_ms": step_ms,
@@ -884,23 +890,12 @@ def interleaved(bench: Bench, args: argparse.Namespace, rounds: int) -> dict[str
     the medians, and their ratios to the no-offload row, printed and returned."""
     made = list(runners(bench.layers, args))
     times: list[list[float]] = [[] for _ in made]
-
-    def step(runner: Runner) -> float:
-        bench.layers.zero_grad(set_to_none=True)
-        x = bench.new_input()
-        synchronize(bench.device)
-        start = bench.timer.mark()
-        runner.loss(x).backward()
-        end = bench.timer.mark()
-        synchronize(bench.device)
-        return bench.timer.elapsed_ms(start, end)
-
     for runner, _ in made:
         for _ in range(args.warmup):
-            step(runner)
+            timed_step(bench, runner)
     for _ in range(rounds):
         for i, (runner, _) in enumerate(made):
-            times[i].append(step(runner))
+            times[i].append(timed_step(bench, runner)[0])
     none = median(times[0])
     out = {
         "rounds": rounds,

@@ -111,7 +111,13 @@ from offload._reference import ReferenceModel
 from offload.profiling import format_bytes
 
 DTYPE = torch.bfloat16
-LETTER = {"keep": ".", "offload": "o", "selective": "s", "checkpoint": "c", "selective_offload": "S"}
+LETTER = {
+    "keep": ".",
+    "offload": "o",
+    "selective": "s",
+    "checkpoint": "c",
+    "selective_offload": "S",
+}
 #: budget name -> (fraction of the no-lever activation peak or None, largest ``x none``)
 BUDGETS: dict[str, tuple[float | None, float | None]] = {
     "75%": (0.75, 1.02),

@@ -201,16 +201,21 @@ class PlanCosts:
             return self.selective_kept * s
         return self.checkpoint_kept * s
 
+    def share(self, lever: str) -> float:
+        """The fraction of a layer's saved bytes that the offloader handles under
+        ``lever``: all of them offloaded; what selective recompute keeps beyond the
+        layer's inputs, ``rho_sel - rho_ckpt``, under ``selective_offload`` (the inputs
+        stay with the checkpoint); else none."""
+        if lever == "offload":
+            return 1.0
+        if lever == "selective_offload":
+            return max(0.0, self.selective_kept - self.checkpoint_kept)
+        return 0.0
+
     def travels(self, i: int, lever: str) -> float:
         """Bytes of layer ``i`` that the offloader handles under ``lever`` (held on the
-        device until the release point and again once reloaded): all ``S_i`` offloaded,
-        what selective recompute keeps beyond the layer's inputs, ``(rho_sel - rho_ckpt)
-        * S_i``, under ``selective_offload`` (the inputs stay with the checkpoint), else 0."""
-        if lever == "offload":
-            return self.saved_bytes[i]
-        if lever == "selective_offload":
-            return max(0.0, self.selective_kept - self.checkpoint_kept) * self.saved_bytes[i]
-        return 0.0
+        device until the release point and again once reloaded): ``share(lever) * S_i``."""
+        return self.share(lever) * self.saved_bytes[i]
 
     def raw_memory(self, levers: Sequence[str]) -> float:
         """The model's activation peak for ``levers`` (not anchored): the largest of
@@ -254,16 +259,11 @@ class PlanCosts:
         out = []
         for i, lever in enumerate(levers):
             fwd, bwd = self.forward_s[i], self.backward_s[i]
-            share = 0.0  # of the layer's link bytes that travel
-            if lever == "selective":
+            share = self.share(lever)  # of the layer's link bytes that travel
+            if lever in ("selective", "selective_offload"):
                 bwd += self.selective_s[i]
             elif lever == "checkpoint":
                 bwd += self.checkpoint_s[i]
-            elif lever == "offload":
-                share = 1.0
-            elif lever == "selective_offload":
-                bwd += self.selective_s[i]
-                share = max(0.0, self.selective_kept - self.checkpoint_kept)
             if share and self.offload_s is not None:
                 fwd += share * self.offload_s[i] / 2
                 bwd += share * self.offload_s[i] / 2
@@ -742,7 +742,7 @@ class Plan:
                 table.add_row(str(i), lever, "-", "-", "-")
                 continue
             kept = c.resident(i, lever)
-            link = c.travels(i, lever) * c._link()[i] / max(1, c.saved_bytes[i])
+            link = c.share(lever) * c._link()[i]
             extra = {
                 "selective": c.selective_s[i],
                 "checkpoint": c.checkpoint_s[i],

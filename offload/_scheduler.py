@@ -372,7 +372,8 @@ class Runtime:
         #: get_cpu_offload_context(offload_stream=...): the CUDA stream of every copy
         self.offload_stream = offload_stream
         #: host blocks bound to captured CUDA graphs (Note [release order], "CUDA
-        #: graphs"): never returned to the pool, since replays write them; freed by close()
+        #: graphs"): never returned to the pool, since replays write them; released by
+        #: free_graph_memory() (close() keeps them)
         self.graph_blocks: list[HostBlock] = []
         #: get_cpu_offload_context(retain_pinned_cpu_buffers=True): slabs are kept
         self.retain_host = retain_host
