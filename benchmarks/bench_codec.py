@@ -132,18 +132,19 @@ def agreement(x: torch.Tensor) -> dict[str, bool]:
 
 
 def sweep(x: torch.Tensor, repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """Triton kernels with other blocks per program and warps (module settings patched)."""
-    saved = codec.ROWS_PER_PROGRAM, codec._NUM_WARPS
+    """Triton kernels with other blocks per program and warps (``codec.TILING`` patched,
+    the same tiling for both kernels; each row is one kernel)."""
+    saved = dict(codec.TILING)
     rows = []
     try:
         for blocks in (8, 16, 32, 64):
             for warps in (4, 8):
-                codec.ROWS_PER_PROGRAM, codec._NUM_WARPS = blocks, warps
+                codec.TILING.update(quantize=(blocks, warps), dequantize=(blocks, warps))
                 for row in bench_size(x, ["triton"], repeats, warmup, "sweep"):
                     row.update(blocks_per_program=blocks, num_warps=warps)
                     rows.append(row)
     finally:
-        codec.ROWS_PER_PROGRAM, codec._NUM_WARPS = saved
+        codec.TILING.update(saved)
     return rows
 
 
@@ -211,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         link = pinned_bandwidth(device, sizes=(256 * 2**20,))
 
     codec_state = (
-        f"triton kernels, {codec.ROWS_PER_PROGRAM} blocks of {codec.BLOCK} per program, "
-        f"{codec._NUM_WARPS} warps, hardware fp8 conversion"
+        "triton kernels, (blocks of "
+        f"{codec.BLOCK} per program, warps): {codec.TILING}, hardware fp8 conversion"
         if use_triton
         else "eager only"
     )
@@ -256,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {**vars(args), "mib": mib, "impls": impls},
             "codec": {
                 "block": codec.BLOCK,
-                "blocks_per_program": codec.ROWS_PER_PROGRAM,
-                "num_warps": codec._NUM_WARPS,
+                "tiling": dict(codec.TILING),
                 "triton_supported": codec.triton_supported(device),
                 "triton_failure": codec._triton_failure,
             },

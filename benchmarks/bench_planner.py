@@ -117,6 +117,7 @@ LETTER = {
     "selective": "s",
     "checkpoint": "c",
     "selective_offload": "S",
+    "checkpoint_offload": "C",
 }
 #: budget name -> (fraction of the no-lever activation peak or None, largest ``x none``)
 BUDGETS: dict[str, tuple[float | None, float | None]] = {
@@ -461,7 +462,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"step ms: median of {s['steps']} timed steps after {s['warmup']} warm-up ({clock}); "
         "act peak: peak allocated during a step minus allocated before it (weights + "
         "gradients); x none: ratio to 'no lever' of step 1; t err / m err: predicted / "
-        "measured - 1; levers: o offload, S selective_offload, s selective, c checkpoint, . keep. Definitions: "
+        "measured - 1; levers: o offload, S selective_offload, s selective, c checkpoint, C checkpoint_offload, . keep. Definitions: "
         "header of benchmarks/bench_planner.py."
     )
     if not env["device"].startswith("cuda"):

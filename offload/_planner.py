@@ -11,20 +11,31 @@ Levers (:data:`LEVERS`):
   attention are kept, everything else (norms, activations, the gated product, casts)
   is recomputed in backward.
 * ``"checkpoint"``: full recompute; only the layer's inputs are kept.
+* ``"checkpoint_offload"``: full recompute whose inputs (all the checkpoint keeps) are
+  offloaded: the layer keeps nothing on the device between its forward and its
+  backward, and the link carries only its inputs (a few percent of its activations).
 * ``"selective_offload"``: selective recompute whose kept tensors (the matrix products'
   and attention's outputs) are offloaded like an ``"offload"`` layer's: the recompute
   frees the cheap part, the link carries only what is expensive to recompute. Torch's
   selective checkpointing keeps those outputs where saved-tensor hooks cannot see them,
   so this lever has its own pair of dispatch modes (:class:`_KeepThroughOffloader`,
   :class:`_RecomputeFromOffloader`) that hand them to the offloader and take them back.
+  The layer's inputs, which the checkpoint saves through the saved-tensor hooks, travel
+  too.
+
+Both ``*_offload`` levers put their layer in the offloader's ``offload_layers``: what
+the checkpoint saves through saved-tensor hooks (its inputs) goes to the offloader like
+any saved tensor of an offloaded layer, on the same release and reload schedule.
 
 The cost model, measured on the user's own step (:func:`plan`), is deliberately small so
 that every prediction can be explained:
 
 * **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured by
   a forward with nothing offloaded). Between its forward and its backward it keeps
-  ``resident_i``: ``S_i`` (keep), 0 (offload, once released), ``rho_sel * S_i``
-  (selective), ``rho_ckpt * S_i`` (checkpoint). During its forward a layer builds all
+  ``resident_i``: ``S_i`` (keep), 0 (offload, selective_offload, checkpoint_offload,
+  once released), ``rho_sel * S_i`` (selective), ``rho_ckpt * S_i`` (checkpoint); the
+  offloaded ones hold what they send (``S_i``, ``rho_sel * S_i``, ``rho_ckpt * S_i``)
+  until their release point and again once reloaded. During its forward a layer builds all
   ``S_i`` while the layers before it hold theirs (an offloaded group holds ``S_j`` until
   its release point, ``# Note [release order]``); during its backward it holds all
   ``S_i`` again (kept, reloaded or recomputed) while the layers below it hold their
@@ -43,12 +54,17 @@ that every prediction can be explained:
   anchored on the measured step without levers.
 
 The search (:func:`optimize`) considers the plans of the form "the first ``k`` layers
-offloaded, the next ``c`` checkpointed, the next ``s`` selective, the rest kept": the
-offloaded layers come first (the release rule keeps the last ``L - k`` groups resident,
-so early layers hide their copies best), and the recompute levers are ordered by what
-they keep (least first), which minimises every backward's peak for layers of equal
-size. For each ``k`` and ``c`` it takes the fewest selective layers that fit, so it
-evaluates O(L^2) plans.
+offloaded, the next ``o`` selective_offload, the next ``c`` checkpointed (all of them
+plain ``checkpoint`` or all ``checkpoint_offload``), the next ``s`` selective, the rest
+kept": the offloaded layers come first (the release rule keeps the last groups
+resident, so early layers hide their copies best), and the recompute levers are ordered
+by what they keep (least first), which minimises every backward's peak for layers of
+equal size. For each ``k``, ``o``, ``c`` and checkpoint kind it takes the fewest
+selective layers that fit (a binary search), so it evaluates O(L^3 log L) plans, each
+in O(L). The fastest few of them are then improved by hill climbing (one layer's lever
+changed, or two neighbours swapped, while the predicted time drops within the budget),
+which reaches the plans outside that form that mixed layer kinds favour. The tests
+check the result against brute force over every assignment on small models.
 """
 
 from __future__ import annotations
@@ -67,14 +83,26 @@ from offload._handles import Raw, unpack_hook
 from offload._plan import make_plan
 from offload.config import _check_int
 
-__all__ = ["LEVERS", "OFFLOADED", "Plan", "PlanCosts", "candidates", "optimize", "plan"]
+__all__ = [
+    "LEVERS",
+    "OFFLOADED",
+    "RECOMPUTED",
+    "Plan",
+    "PlanCosts",
+    "candidates",
+    "optimize",
+    "plan",
+]
 
 #: The levers (the search assigns them to layers in the order offload,
-#: selective_offload, checkpoint, selective, keep).
-LEVERS = ("keep", "offload", "selective", "checkpoint", "selective_offload")
+#: selective_offload, checkpoint or checkpoint_offload, selective, keep).
+LEVERS = ("keep", "offload", "selective", "checkpoint", "selective_offload", "checkpoint_offload")
 
 #: The levers whose layers the offloader handles (in its ``offload_layers``).
-OFFLOADED = ("offload", "selective_offload")
+OFFLOADED = ("offload", "selective_offload", "checkpoint_offload")
+
+#: The levers that run the layer's forward under ``torch.utils.checkpoint``.
+RECOMPUTED = ("selective", "checkpoint", "selective_offload", "checkpoint_offload")
 
 _SHORT = {
     "keep": "keep",
@@ -82,6 +110,7 @@ _SHORT = {
     "selective": "sel",
     "checkpoint": "ckpt",
     "selective_offload": "sel+off",
+    "checkpoint_offload": "ckpt+off",
 }
 
 
@@ -192,24 +221,36 @@ class PlanCosts:
         s = self.saved_bytes[i]
         if lever == "keep":
             return s
-        if lever == "offload":
+        if lever in OFFLOADED:  # once released
             return 0.0
-        if lever == "selective_offload":
-            # what full recompute keeps (the layer's inputs, held by the checkpoint) stays
-            return min(self.checkpoint_kept, self.selective_kept) * s
         if lever == "selective":
             return self.selective_kept * s
         return self.checkpoint_kept * s
 
     def share(self, lever: str) -> float:
         """The fraction of a layer's saved bytes that the offloader handles under
-        ``lever``: all of them offloaded; what selective recompute keeps beyond the
-        layer's inputs, ``rho_sel - rho_ckpt``, under ``selective_offload`` (the inputs
-        stay with the checkpoint); else none."""
+        ``lever``: all of them offloaded; what the recompute keeps (inputs included)
+        under ``selective_offload`` (``rho_sel``) and ``checkpoint_offload``
+        (``rho_ckpt``); else none."""
         if lever == "offload":
             return 1.0
         if lever == "selective_offload":
-            return max(0.0, self.selective_kept - self.checkpoint_kept)
+            return self.selective_kept
+        if lever == "checkpoint_offload":
+            return self.checkpoint_kept
+        return 0.0
+
+    def link_total(self, levers: Sequence[str]) -> float:
+        """Bytes ``levers`` send each way over the link in one step."""
+        link = self._link()
+        return sum(self.share(lever) * link[i] for i, lever in enumerate(levers))
+
+    def extra_seconds(self, i: int, lever: str) -> float:
+        """Backward seconds that ``lever``'s recompute adds to layer ``i``."""
+        if lever in ("selective", "selective_offload"):
+            return self.selective_s[i]
+        if lever in ("checkpoint", "checkpoint_offload"):
+            return self.checkpoint_s[i]
         return 0.0
 
     def travels(self, i: int, lever: str) -> float:
@@ -219,31 +260,40 @@ class PlanCosts:
 
     def raw_memory(self, levers: Sequence[str]) -> float:
         """The model's activation peak for ``levers`` (not anchored): the largest of
-        every layer's forward and every layer's backward (module docstring)."""
+        every layer's forward and every layer's backward (module docstring). O(L): an
+        offloaded group's travelling bytes are added after its forward and taken off at
+        its release point (forward), added at its reload point and taken off after its
+        backward (backward)."""
         L = len(levers)
         S, W = self.saved_bytes, self.workspace_bytes
         offloaded = [i for i, lever in enumerate(levers) if lever in OFFLOADED]
         schedule = make_plan(L, offloaded, None)
-        released = {g: r for r, gs in schedule.release_at.items() for g in gs}
-        reloaded = {g: q for q, gs in schedule.reload_at.items() for g in gs}
-        resident = [self.resident(i, lever) for i, lever in enumerate(levers)]
-        peak = 0.0
-        held = 0.0  # forward: what earlier layers hold when layer i starts
+        travels = [self.travels(i, lever) for i, lever in enumerate(levers)]
+        # forward: held[i] = residents of j < i + travels of j < i not released by i
+        gone = [0.0] * (L + 1)  # travelling bytes released when layer r starts
+        for r, gs in schedule.release_at.items():
+            gone[r] += sum(travels[g] for g in gs)
+        peak = held = 0.0
         for i in range(L):
-            held = sum(
-                resident[j] + (self.travels(j, levers[j]) if released.get(j, L) > i else 0.0)
-                for j in range(i)
-            )
+            held -= gone[i]
             peak = max(peak, held + S[i] + W)
-        below = 0.0  # backward of layer i: residents below it, prefetched groups, itself
-        for i in range(L):
-            prefetched = sum(
-                self.travels(j, levers[j]) for j in offloaded if j < i and reloaded.get(j, -1) >= i
-            )
+            held += self.resident(i, levers[i]) + travels[i]
+        # backward of layer i: residents below it, groups j < i reloaded at q >= i, itself
+        back = [0.0] * L  # travelling bytes reloaded when the backward of q starts
+        early = [0.0] * L  # ... of group i, reloaded before its own backward
+        for q, gs in schedule.reload_at.items():
+            for g in gs:
+                if g < q:
+                    back[q] += travels[g]
+                    early[g] = travels[g]
+        prefetched = 0.0
+        below = sum(self.resident(i, lever) for i, lever in enumerate(levers))
+        for i in range(L - 1, -1, -1):
+            below -= self.resident(i, levers[i])
+            prefetched += back[i] - early[i]  # its own bytes are in S[i] now
             extra = self.prefetch_bytes if levers[i] in OFFLOADED else 0.0
             peak = max(peak, below + prefetched + S[i] + extra + W)
-            below += resident[i]
-        return max(peak, below)
+        return max(peak, sum(self.resident(i, lever) for i, lever in enumerate(levers)))
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
@@ -260,10 +310,7 @@ class PlanCosts:
         for i, lever in enumerate(levers):
             fwd, bwd = self.forward_s[i], self.backward_s[i]
             share = self.share(lever)  # of the layer's link bytes that travel
-            if lever in ("selective", "selective_offload"):
-                bwd += self.selective_s[i]
-            elif lever == "checkpoint":
-                bwd += self.checkpoint_s[i]
+            bwd += self.extra_seconds(i, lever)
             if share and self.offload_s is not None:
                 fwd += share * self.offload_s[i] / 2
                 bwd += share * self.offload_s[i] / 2
@@ -291,11 +338,11 @@ class PlanCosts:
         return cls(**data)
 
 
-def _family(L: int, k: int, o: int, c: int, s: int) -> list[str]:
+def _family(L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint") -> list[str]:
     return (
         ["offload"] * k
         + ["selective_offload"] * o
-        + ["checkpoint"] * c
+        + [ckpt] * c
         + ["selective"] * s
         + ["keep"] * (L - k - o - c - s)
     )
@@ -325,37 +372,47 @@ def candidates(
     costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS
 ) -> list[tuple[float, list[str]]]:
     """Every plan of the searched form whose predicted peak fits ``budget_bytes`` (for
-    each ``k`` offloaded, ``o`` selective_offload and ``c`` checkpointed, the fewest
-    selective layers that fit), as ``(predicted seconds, levers)``, fastest first. Same
-    arguments and errors as :func:`optimize`."""
+    each ``k`` offloaded, ``o`` selective_offload, ``c`` checkpointed and checkpoint
+    kind, the fewest selective layers that fit), as ``(predicted seconds, levers)``,
+    fastest first (equal times: fewer link bytes, then the smaller predicted peak,
+    first). Same arguments and errors as :func:`optimize`."""
     allowed = set(_check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     ks = range(L) if "offload" in allowed else [0]  # the last layer is never offloaded
+    kinds = [x for x in ("checkpoint", "checkpoint_offload") if x in allowed] or ["checkpoint"]
     found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
     for k in ks:
         os_ = range(L - k) if "selective_offload" in allowed else [0]
         for o in os_:
-            cs = range(L - k - o + 1) if "checkpoint" in allowed else [0]
-            for c in cs:
-                top = L - k - o - c if "selective" in allowed else 0
-                # memory does not grow as layers go from kept to selective: take the
-                # first count that fits (binary search), the cheapest of this (k, o, c)
-                lo, hi = 0, top
-                if costs.memory(_family(L, k, o, c, hi)) > budget_bytes:
-                    candidate = _family(L, k, o, c, hi)
-                    mem = costs.memory(candidate)
-                    if smallest is None or mem < smallest[0]:
-                        smallest = (mem, candidate)
-                    continue
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if costs.memory(_family(L, k, o, c, mid)) <= budget_bytes:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                candidate = _family(L, k, o, c, lo)
-                found.append((costs.seconds(candidate), candidate))
+            for ckpt in kinds:
+                if ckpt not in allowed:
+                    cs: Sequence[int] = [0]
+                elif ckpt in OFFLOADED:  # never the last layer
+                    cs = range(L - k - o)
+                else:
+                    cs = range(L - k - o + 1)
+                for c in cs:
+                    if c == 0 and ckpt != kinds[0]:
+                        continue  # the same plans as with the first kind
+                    top = L - k - o - c if "selective" in allowed else 0
+                    # memory does not grow as layers go from kept to selective: take the
+                    # first count that fits (binary search), the cheapest of this family
+                    lo, hi = 0, top
+                    if costs.memory(_family(L, k, o, c, hi, ckpt)) > budget_bytes:
+                        candidate = _family(L, k, o, c, hi, ckpt)
+                        mem = costs.memory(candidate)
+                        if smallest is None or mem < smallest[0]:
+                            smallest = (mem, candidate)
+                        continue
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if costs.memory(_family(L, k, o, c, mid, ckpt)) <= budget_bytes:
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    candidate = _family(L, k, o, c, lo, ckpt)
+                    found.append((costs.seconds(candidate), candidate))
     if not found:
         assert smallest is not None
         raise ValueError(
@@ -363,8 +420,67 @@ def candidates(
             f"activation peak, {smallest[0] / 2**30:.3f} GiB (levers "
             f"{_summary(smallest[1])}); raise the budget or allow more levers"
         )
-    found.sort(key=lambda item: item[0])  # stable: ties keep the search order
+    key = _ranking(costs)
+    found.sort(key=key)
+    # then improve the best few one layer at a time (plans outside the family: an
+    # input-offloaded checkpoint before a selective_offload layer, a plain checkpoint
+    # between offloaded ones); improved plans that are new join the list
+    seen = {tuple(levers) for _, levers in found}
+    for _, levers in found[:_POLISHED]:
+        better = _polish(costs, budget_bytes, levers, sorted(allowed), key)
+        if tuple(better) not in seen:
+            seen.add(tuple(better))
+            found.append((costs.seconds(better), better))
+    found.sort(key=key)
     return found
+
+
+#: How many of the fastest family plans :func:`candidates` improves layer by layer.
+_POLISHED = 4
+
+
+def _ranking(costs: PlanCosts) -> Callable[[tuple[float, list[str]]], tuple[float, ...]]:
+    """Sort key of ``(seconds, levers)``: faster first; equal predicted times: fewer
+    bytes on the link (a copy predicted to hide still costs host time), then the smaller
+    predicted peak (more room for the measured one), then the search order (stable)."""
+
+    def key(item: tuple[float, list[str]]) -> tuple[float, ...]:
+        return (item[0], costs.link_total(item[1]), costs.memory(item[1]))
+
+    return key
+
+
+def _polish(
+    costs: PlanCosts,
+    budget_bytes: float,
+    levers: list[str],
+    allowed: Sequence[str],
+    key: Callable[[tuple[float, list[str]]], tuple[float, ...]],
+) -> list[str]:
+    """Hill climbing from ``levers``: change the lever of one layer (or of two adjacent
+    layers, swapping them) while that ranks the plan better (:func:`_ranking`) within
+    ``budget_bytes``; stops at a plan no such move improves. O(L * levers) plans a move."""
+    L = len(levers)
+    current = list(levers)
+    best = key((costs.seconds(current), current))
+    improved = True
+    while improved:
+        improved = False
+        moves: list[list[str]] = []
+        for i in range(L):
+            for lever in allowed:
+                if lever != current[i] and not (i == L - 1 and lever in OFFLOADED):
+                    moves.append(current[:i] + [lever] + current[i + 1 :])
+        for i in range(L - 2):  # the last layer keeps its place (never offloaded)
+            if current[i] != current[i + 1]:
+                moves.append(current[:i] + [current[i + 1], current[i]] + current[i + 2 :])
+        for move in moves:
+            if costs.memory(move) > budget_bytes:
+                continue
+            rank = key((costs.seconds(move), move))
+            if rank < best:
+                best, current, improved = rank, move, True
+    return current
 
 
 def _summary(levers: Sequence[str]) -> str:
@@ -467,9 +583,10 @@ class _RecomputeFromOffloader(TorchDispatchMode):
 
 
 class _Recompute:
-    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full,
-    selective, or selective with the kept tensors offloaded (``offloader``, entered
-    around the forward); installed as the module's instance attribute ``forward`` and
+    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full
+    (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
+    handles, so the inputs the checkpoint saves travel), selective, or selective with the
+    kept tensors offloaded (``offloader``, entered around the forward); installed as the module's instance attribute ``forward`` and
     removed by :meth:`remove` (which restores what was there before)."""
 
     def __init__(self, module: torch.nn.Module, lever: str, offloader: Any = None) -> None:
@@ -680,7 +797,7 @@ class Plan:
                     min_tensor_bytes=self.min_tensor_bytes,
                 )
             for layer, lever in zip(self.layers, self.levers):
-                if lever in ("selective", "checkpoint", "selective_offload"):
+                if lever in RECOMPUTED:
                     self._wrappers.append(_Recompute(layer, lever, self._offloader))
             if self._offloader is not None and model is not None:
                 self._handle = self._offloader.attach(model)
@@ -743,11 +860,7 @@ class Plan:
                 continue
             kept = c.resident(i, lever)
             link = c.share(lever) * c._link()[i]
-            extra = {
-                "selective": c.selective_s[i],
-                "checkpoint": c.checkpoint_s[i],
-                "selective_offload": c.selective_s[i],
-            }.get(lever, 0.0)
+            extra = c.extra_seconds(i, lever)
             kept_total += kept
             link_total += link
             extra_total += extra
@@ -1070,7 +1183,7 @@ def plan(
             ratio = sent / moved
             link = [int(s * ratio) for s in saved]
     for lever in ("selective", "checkpoint"):
-        if lever in allowed or (lever == "selective" and "selective_offload" in allowed):
+        if lever in allowed or f"{lever}_offload" in allowed:
             wrappers = [_Recompute(layer, lever) for layer in layers]
             try:
                 configs[lever] = _run(step_fn, steps, warmup)

@@ -26,17 +26,10 @@ from tests.models import assert_same, twin  # noqa: E402
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("cuda_deterministic"),
 ]
 
 DEV = "cuda"
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize()
 
 
 class DropoutBlock(nn.Module):

@@ -26,19 +26,12 @@ from tests.models import twin  # noqa: E402
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("cuda_deterministic"),
 ]
 
 DEV = "cuda"
 SHAPE = (2, 512, 256)
 REPLAYS = 20
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize()
 
 
 def llama(n: int = 4) -> nn.ModuleList:

@@ -20,15 +20,8 @@ from offload._reference import ReferenceModel  # noqa: E402
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("cuda_deterministic"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize()
 
 
 def _grads(model, x):

@@ -23,18 +23,11 @@ from tests import models  # noqa: E402
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("cuda_deterministic"),
 ]
 
 DEV = "cuda"
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize()
 
 
 def llama(n: int = 4, dim: int = 256, heads: int = 4, ffn: int = 512) -> nn.ModuleList:
