@@ -382,13 +382,49 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     got = base.replan(
         int(budget), step_fn=lambda: calls.append(1), model=torch.nn.Sequential(*layers)
     )
-    assert got.levers == ranked[1][1]
+    # the first plan measured 5 % of the budget above it: the next one tried is the
+    # fastest predicted to fit with that much room
+    error = budget * 1.05 - c.memory(ranked[0][1])
+    want = [lv for _, lv in _planner.candidates(c, int(budget) - error) if lv != ranked[0][1]]
+    assert got.levers == want[0]
     checks = got.measured["checks"]
     assert [ch["fits"] for ch in checks] == [False, True] and len(calls) == 2
     assert not any("forward" in layer.__dict__ for layer in layers)  # trials removed
     monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget})
     with pytest.raises(ValueError, match="measured above it"):
         base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+
+
+def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
+    """Every plan measures 10 % of the budget above its prediction: after the first
+    fails, the plan tried next is the fastest predicted to fit with that much room (not
+    the next of the first ranking, which may sit just as close to the budget), and it
+    fits."""
+    c = _costs(L=5, bps=1e15)
+    budget = c.memory(["keep"] * 5) * 0.45
+    error = 0.1 * budget
+    ranked = _planner.candidates(c, budget)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(5))
+    base = Plan(layers, ["keep"] * 5, costs=c, budget_bytes=None, min_tensor_bytes=0)
+    tried: list[list[str]] = []
+    apply = Plan.apply
+
+    def recording_apply(self, model=None):
+        tried.append(list(self.levers))
+        return apply(self, model)
+
+    def fake_run(step_fn, steps, warmup):
+        return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error}
+
+    monkeypatch.setattr(_planner, "_run", fake_run)
+    monkeypatch.setattr(Plan, "apply", recording_apply)
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert c.memory(ranked[0][1]) + error > budget  # the first choice fails
+    assert tried[0] == ranked[0][1] and len(tried) == 2
+    room = [lv for _, lv in _planner.candidates(c, int(budget) - error)]
+    assert got.levers == tried[1] == room[0]
+    assert c.memory(got.levers) + error <= budget
+    assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
 
 
 def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
