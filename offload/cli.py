@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from offload._planner import LEVERS
+from offload._planner import DEFAULT_LEVERS, LEVERS
 
 __all__ = ["main", "build_parser"]
 
@@ -157,8 +157,9 @@ def _add_plan_parser(sub: Any) -> None:
     )
     run.add_argument(
         "--levers",
-        default=",".join(LEVERS),
-        help=f"comma list of the levers the plan may use; default {','.join(LEVERS)}",
+        default=",".join(DEFAULT_LEVERS),
+        help=f"comma list of the levers the plan may use (of {','.join(LEVERS)}); "
+        f"default {','.join(DEFAULT_LEVERS)}",
     )
     run.add_argument(
         "--compress", choices=["fp8"], help="offloaded layers travel compressed (lossy)"

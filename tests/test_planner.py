@@ -427,6 +427,21 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
 
 
+def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
+    """An error so large that no plan is predicted to fit with room for it (one plan's
+    error, not every plan's): the next plan tried is the next of the first ranking."""
+    c = _costs(L=4, bps=1e15)
+    budget = c.memory(["keep"] * 4) * 0.6
+    ranked = _planner.candidates(c, budget)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+    base = Plan(layers, ["keep"] * 4, costs=c, budget_bytes=None, min_tensor_bytes=0)
+    measured = iter([budget * 3, budget * 0.99])
+    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": next(measured)})
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert got.levers == ranked[1][1]
+    assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
+
+
 def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
     c = _costs(L=4, bps=1e15)
     extra = dataclasses.replace(c, offload_s=[2e-3] * 4)
