@@ -100,9 +100,11 @@ __all__ = [
 LEVERS = ("keep", "offload", "selective", "checkpoint", "selective_offload", "checkpoint_offload")
 
 #: The levers :func:`plan` may use unless told otherwise: all but ``checkpoint_offload``,
-#: which measured slower than its model on ref-8L (H200: three such layers made a step
-#: 6 ms slower than the same layers plainly checkpointed, where the model predicts the
-#: same time); pass ``levers=LEVERS`` to allow it.
+#: which is not yet shown to help (on ref-8L, H200, its plans at checkpoint-every-layer's
+#: memory measured 1.28-1.30x against 1.26-1.27x for checkpointing every layer, but the
+#: same benchmark measured the identical every-layer checkpoint 3.7 % slower among its
+#: plan rows than among its single-lever rows, so that comparison is inconclusive); pass
+#: ``levers=LEVERS`` to allow it.
 DEFAULT_LEVERS = tuple(x for x in LEVERS if x != "checkpoint_offload")
 
 #: The levers whose layers the offloader handles (in its ``offload_layers``).
