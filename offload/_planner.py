@@ -278,6 +278,7 @@ class PlanCosts:
         offloaded = [i for i, lever in enumerate(levers) if lever in OFFLOADED]
         schedule = make_plan(L, offloaded, None)
         travels = [self.travels(i, lever) for i, lever in enumerate(levers)]
+        resident = [self.resident(i, lever) for i, lever in enumerate(levers)]
         # forward: held[i] = residents of j < i + travels of j < i not released by i
         gone = [0.0] * (L + 1)  # travelling bytes released when layer r starts
         for r, gs in schedule.release_at.items():
@@ -286,7 +287,7 @@ class PlanCosts:
         for i in range(L):
             held -= gone[i]
             peak = max(peak, held + S[i] + W)
-            held += self.resident(i, levers[i]) + travels[i]
+            held += resident[i] + travels[i]
         # backward of layer i: residents below it, groups j < i reloaded at q >= i, itself
         back = [0.0] * L  # travelling bytes reloaded when the backward of q starts
         early = [0.0] * L  # ... of group i, reloaded before its own backward
@@ -296,13 +297,13 @@ class PlanCosts:
                     back[q] += travels[g]
                     early[g] = travels[g]
         prefetched = 0.0
-        below = sum(self.resident(i, lever) for i, lever in enumerate(levers))
+        below = total = sum(resident)
         for i in range(L - 1, -1, -1):
-            below -= self.resident(i, levers[i])
+            below -= resident[i]
             prefetched += back[i] - early[i]  # its own bytes are in S[i] now
             extra = self.prefetch_bytes if levers[i] in OFFLOADED else 0.0
             peak = max(peak, below + prefetched + S[i] + extra + W)
-        return max(peak, sum(self.resident(i, lever) for i, lever in enumerate(levers)))
+        return max(peak, total)
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
@@ -595,8 +596,9 @@ class _Recompute:
     """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full
     (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
     handles, so the inputs the checkpoint saves travel), selective, or selective with the
-    kept tensors offloaded (``offloader``, entered around the forward); installed as the module's instance attribute ``forward`` and
-    removed by :meth:`remove` (which restores what was there before)."""
+    kept tensors offloaded (``offloader``, entered around the forward); installed as the
+    module's instance attribute ``forward`` and removed by :meth:`remove` (which
+    restores what was there before)."""
 
     def __init__(self, module: torch.nn.Module, lever: str, offloader: Any = None) -> None:
         self.module = module

@@ -73,17 +73,23 @@ def python_of_ours(fn) -> list[str]:
     return seen
 
 
-def capture_step(layers, static_x: torch.Tensor, off=None) -> tuple[torch.cuda.CUDAGraph, int]:
+def capture_step(
+    layers, static_x: torch.Tensor, off=None, loss_fn=None
+) -> tuple[torch.cuda.CUDAGraph, int]:
     """PyTorch's whole-network recipe: warm up on a side stream, then capture forward
-    and backward in one graph; the offloader is entered inside the capture. Returns the
-    graph and the device bytes its capture peaked at above what was allocated before."""
+    and backward in one graph; the offloader is entered inside the capture
+    (``loss_fn(x)``, default ``forward_loss(layers, x, off)``, may enter its own).
+    Returns the graph and the device bytes its capture peaked at above what was
+    allocated before."""
+    if loss_fn is None:
+        loss_fn = functools.partial(forward_loss, layers, off=off)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             for p in layers.parameters():
                 p.grad = None
-            forward_loss(layers, static_x, off).backward()
+            loss_fn(static_x).backward()
     torch.cuda.current_stream().wait_stream(side)
     for p in layers.parameters():
         p.grad = None
@@ -92,8 +98,19 @@ def capture_step(layers, static_x: torch.Tensor, off=None) -> tuple[torch.cuda.C
     torch.cuda.reset_peak_memory_stats()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        forward_loss(layers, static_x, off).backward()
+        loss_fn(static_x).backward()
     return graph, torch.cuda.max_memory_allocated() - base
+
+
+def assert_replays_match(graph, static_x: torch.Tensor, layers, ref, replays: int) -> None:
+    """``replays`` replays on fresh inputs copied into ``static_x``: the gradients of
+    ``layers`` equal (bitwise) those of the eager step of ``ref`` on the same input."""
+    for _ in range(replays):
+        x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
+        static_x.copy_(x)
+        graph.replay()
+        got = [p.grad.clone() for p in layers.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
 
 
 @pytest.mark.parametrize("selection", ["all", 2])
@@ -166,12 +183,7 @@ def test_whole_step_graph_races_slow_copies() -> None:
     off = offload.ActivationOffloader(list(slow), offload_layers="all", min_tensor_bytes=0)
     static_x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
     graph, _ = capture_step(slow, static_x, off)
-    for _ in range(5):
-        x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
-        static_x.copy_(x)
-        graph.replay()
-        got = [p.grad.clone() for p in slow.parameters()]
-        assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
+    assert_replays_match(graph, static_x, slow, ref, 5)
     assert off.stats.bytes_offloaded > 0
     del graph
     off.close()
@@ -239,12 +251,7 @@ def test_whole_step_graph_attention_backends(backend: str) -> None:
     static_x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
     with sdpa_kernel(getattr(SDPBackend, backend)):
         graph, _ = capture_step(layers, static_x, off)
-        for _ in range(5):
-            x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
-            static_x.copy_(x)
-            graph.replay()
-            got = [p.grad.clone() for p in layers.parameters()]
-            assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
+        assert_replays_match(graph, static_x, layers, ref, 5)
     assert off.stats.bytes_offloaded > 0
     del graph
     off.close()
@@ -268,28 +275,11 @@ def test_te_style_context_inside_a_whole_step_graph() -> None:
         return h.float().square().mean()
 
     static_x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for p in layers.parameters():
-                p.grad = None
-            loss_of(static_x).backward()
-    torch.cuda.current_stream().wait_stream(side)
-    for p in layers.parameters():
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss_of(static_x).backward()
+    graph, _ = capture_step(layers, static_x, loss_fn=loss_of)
     assert ctx.step.capture == "step"
     assert ctx.stats.bytes_offloaded > 0
     pool = ctx.runtime.pool
     before = (pool.in_use_bytes, pool.reserved_bytes)
-    for _ in range(REPLAYS):
-        x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
-        static_x.copy_(x)
-        graph.replay()
-        got = [p.grad.clone() for p in layers.parameters()]
-        assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(ref, x)))
+    assert_replays_match(graph, static_x, layers, ref, REPLAYS)
     torch.cuda.synchronize()
     assert (pool.in_use_bytes, pool.reserved_bytes) == before
