@@ -45,7 +45,8 @@ Steps of the run:
    (``["offload"] * k + ["keep"] * (8 - k)``; an ``ActivationOffloader`` over the first
    k layers, entered around the model's forward; ``--compress`` applies); ``checkpoint
    k`` for k = 1..8 (full recompute of the first k layers, non-reentrant
-   ``torch.utils.checkpoint``); ``selective all`` (selective recompute of every layer:
+   ``torch.utils.checkpoint``); ``checkpoint_offload k`` for k = 1..7 (the same, with
+   the inputs the checkpoint saves offloaded); ``selective all`` (selective recompute of every layer:
    outputs of matrix products and attention kept, the rest recomputed).
 2. ``offload.plan(step, model.layers, budget=1.0, model=model, steps=--plan-steps,
    warmup=--plan-warmup, compress=--compress)``, once: it measures its own
@@ -88,8 +89,13 @@ Columns of the targets table:
   issue target is met; ``FAIL`` otherwise (``n/a`` parts, as on the CPU, are left out);
   ``FAIL (no plan)`` when ``optimize`` finds no plan within the budget.
 
-Last, ``no lever`` is measured again (JSON ``none_again``), to show how far the device's
-speed drifted during the run (printed as ``drift``).
+Last, ``no lever`` and ``checkpoint 8`` are measured again (JSON ``none_again``,
+``checkpoint_again``), to show how far the device's speed drifted during the run
+(printed as ``drift``). Every configuration, single lever or plan, is measured from the
+same state: garbage collected and the caching allocator emptied first (``free``).
+
+``--levers all`` lets ``offload.plan`` use every lever (``LEVERS``); the default is
+``DEFAULT_LEVERS``, as ``offload.plan``'s.
 """
 
 from __future__ import annotations
@@ -106,7 +112,7 @@ import torch
 from _common import GIB, Timer, environment, median, synchronize, write_json
 
 import offload
-from offload._planner import LEVERS, Plan, PlanCosts, optimize
+from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, optimize
 from offload._reference import ReferenceModel
 from offload.profiling import format_bytes
 
@@ -197,6 +203,7 @@ def measure_levers(
         levers = Plan(
             model.layers, levers, compress=args.compress, min_tensor_bytes=args.min_tensor_bytes
         )
+    free(args.device)  # every row starts from the same state, whatever ran before it
     p = levers.apply(model)
     try:
         row = measure(step, args.device, args.steps, args.warmup)
@@ -212,6 +219,10 @@ def single_lever_configs(L: int) -> list[tuple[str, list[str]]]:
     out = [("no lever", ["keep"] * L)]
     out += [(f"offload {k}", ["offload"] * k + ["keep"] * (L - k)) for k in range(1, L)]
     out += [(f"checkpoint {k}", ["checkpoint"] * k + ["keep"] * (L - k)) for k in range(1, L + 1)]
+    out += [
+        (f"checkpoint_offload {k}", ["checkpoint_offload"] * k + ["keep"] * (L - k))
+        for k in range(1, L)  # the last layer cannot offload
+    ]
     out.append(("selective all", ["selective"] * L))
     return out
 
@@ -457,6 +468,13 @@ def print_report(result: dict[str, Any]) -> None:
         f"no lever again at the end: {again:.1f} ms (drift {_pct(again / none_ms - 1)} from "
         f"{none_ms:.1f} ms), act peak {_mem(result['none_again']['peak_bytes'])}"
     )
+    L = len(result["single"][0]["levers"])
+    ckpt_ms = next(r for r in result["single"] if r["name"] == f"checkpoint {L}")["step_ms_median"]
+    again = result["checkpoint_again"]["step_ms_median"]
+    console.print(
+        f"checkpoint {L} again at the end: {again:.1f} ms (drift {_pct(again / ckpt_ms - 1)} "
+        f"from {ckpt_ms:.1f} ms)"
+    )
     clock = "CUDA events" if env["device"].startswith("cuda") else "perf_counter"
     console.print(
         f"step ms: median of {s['steps']} timed steps after {s['warmup']} warm-up ({clock}); "
@@ -484,7 +502,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", required=True, help="path of the JSON result")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (>= 5)")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per configuration (>= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (>= 1)")
     parser.add_argument("--plan-steps", type=int, default=3, help="steps= of offload.plan")
     parser.add_argument("--plan-warmup", type=int, default=1, help="warmup= of offload.plan")
@@ -493,6 +511,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["fp8"],
         default=None,
         help="compress= of offload.plan, of the plans and of the 'offload k' rows",
+    )
+    parser.add_argument(
+        "--levers",
+        choices=["default", "all"],
+        default="default",
+        help="levers= of offload.plan: DEFAULT_LEVERS (plan()'s default) or all of LEVERS",
     )
     parser.add_argument(
         "--quick",
@@ -505,6 +529,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup < 1:
         parser.error(f"--warmup {args.warmup}: at least 1 (gradients must exist)")
     args.model = QUICK if args.quick else ModelConfig()
+    args.allowed = LEVERS if args.levers == "all" else DEFAULT_LEVERS
     args.min_tensor_bytes = 0 if args.quick else 256 * 1024
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
@@ -538,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "plan_warmup": args.plan_warmup,
             "compress": args.compress,
             "min_tensor_bytes": args.min_tensor_bytes,
+            "levers": list(args.allowed),
             "quick": args.quick,
             "vs_best_target": VS_BEST,
             "budgets": {
@@ -570,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             model.layers,
             budget=1.0,
             model=model,
+            levers=args.allowed,
             compress=args.compress,
             min_tensor_bytes=args.min_tensor_bytes,
             steps=args.plan_steps,
@@ -580,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         costs = synthetic_costs(L, cfg, rows[0]["step_ms_median"])
         base = Plan(
             model.layers,
-            optimize(costs, costs.memory(["keep"] * L)),
+            optimize(costs, costs.memory(["keep"] * L), args.allowed),
             costs=costs,
             compress=args.compress,
             min_tensor_bytes=args.min_tensor_bytes,
@@ -624,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 levers = chosen.levers
                 row["checks"] = chosen.measured.get("checks", [])
             else:
-                levers = optimize(costs, limit)
+                levers = optimize(costs, limit, args.allowed)
         except ValueError as exc:
             row |= {"levers": None, "error": str(exc), "measured": None}
             budgets.append(row)
@@ -658,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result["budgets"] = budgets
     result["verdicts"] = {r["name"]: r["verdict"] for r in budgets}
     result["none_again"] = measure_levers(model, ["keep"] * L, step, args)
+    result["checkpoint_again"] = measure_levers(model, ["checkpoint"] * L, step, args)
 
     print_report(result)
     write_json(args.out, result)
