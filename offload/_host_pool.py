@@ -22,12 +22,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "MIN_SLAB_BYTES", "HostBlock", "HostPool", "default_host_limit"]
+__all__ = [
+    "ALIGN",
+    "MAX_CACHED_VIEWS",
+    "MIN_SLAB_BYTES",
+    "HostBlock",
+    "HostPool",
+    "default_host_limit",
+]
 
 #: Alignment of every block (bytes): enough for every dtype and for fast DMA.
 ALIGN = 512
 #: Smallest slab the pool asks for.
 MIN_SLAB_BYTES = 64 << 20
+#: Most typed views a slab caches (:meth:`HostBlock.typed`); the cache is emptied when
+#: full (shapes that change every step would otherwise grow it without end).
+MAX_CACHED_VIEWS = 8192
 
 
 def default_host_limit() -> int:
@@ -47,7 +57,7 @@ def _next_pow2(n: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed")
+    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed", "views")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
@@ -55,6 +65,9 @@ class _Slab:
         #: dtype -> the whole slab viewed as that dtype (made at first use; the size is
         #: a power of two of at least ALIGN bytes, so every itemsize divides it)
         self.typed: dict[torch.dtype, torch.Tensor] = {}
+        #: (start, dtype, size, stride) -> that view of the slab (HostBlock.typed): a
+        #: step whose shapes repeat the last one's gets its blocks at the same starts
+        self.views: dict[tuple[int, torch.dtype, Any, Any], torch.Tensor] = {}
         self.starts: list[int] = [0]  # free ranges, sorted by start
         self.sizes: list[int] = [self.size]
         self.used = 0
@@ -113,12 +126,22 @@ class HostBlock:
     def typed(self, dtype: torch.dtype, size: Any, stride: Any) -> torch.Tensor:
         """A tensor of ``dtype``, ``size`` and ``stride`` over the block's first bytes
         (its start is ALIGN-aligned, a multiple of every itemsize). The caller keeps
-        it within ``length`` bytes."""
-        slab = self.slab
-        view = slab.typed.get(dtype)  # type: ignore[union-attr]
+        it within ``length`` bytes, and never changes the tensor's metadata: the view
+        is cached in the slab and handed out again to the next block of the same start
+        and geometry (making one costs more than the rest of a block's allocation)."""
+        slab: _Slab = self.slab  # type: ignore[assignment]
+        views = slab.views
+        key = (self.start, dtype, size, stride)
+        view = views.get(key)
         if view is None:
-            view = slab.typed[dtype] = slab.buffer.view(dtype)  # type: ignore[union-attr]
-        return view.as_strided(size, stride, self.start // dtype.itemsize)
+            whole = slab.typed.get(dtype)
+            if whole is None:
+                whole = slab.typed[dtype] = slab.buffer.view(dtype)
+            view = whole.as_strided(size, stride, self.start // dtype.itemsize)
+            if len(views) >= MAX_CACHED_VIEWS:
+                views.clear()
+            views[key] = view
+        return view
 
 
 class HostPool:
