@@ -72,29 +72,21 @@ class _Slab:
         self.sizes: list[int] = [self.size]
         self.used = 0
 
-    def take(self, index: int, nbytes: int) -> int:
-        start = self.starts[index]
-        if self.sizes[index] == nbytes:
-            del self.starts[index]
-            del self.sizes[index]
-        else:
-            self.starts[index] += nbytes
-            self.sizes[index] -= nbytes
-        self.used += nbytes
-        return start
-
     def give(self, start: int, nbytes: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
+        """Return ``[start, start + nbytes)`` to the free ranges, merged with its
+        neighbours."""
+        starts, sizes = self.starts, self.sizes
+        i = bisect.bisect_left(starts, start)
         # merge with the following range, then with the preceding one
-        if i < len(self.starts) and start + nbytes == self.starts[i]:
-            nbytes += self.sizes[i]
-            del self.starts[i]
-            del self.sizes[i]
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
-            self.sizes[i - 1] += nbytes
+        if i < len(starts) and start + nbytes == starts[i]:
+            nbytes += sizes[i]
+            del starts[i]
+            del sizes[i]
+        if i > 0 and starts[i - 1] + sizes[i - 1] == start:
+            sizes[i - 1] += nbytes
         else:
-            self.starts.insert(i, start)
-            self.sizes.insert(i, nbytes)
+            starts.insert(i, start)
+            sizes.insert(i, nbytes)
 
 
 class HostBlock:
@@ -179,10 +171,11 @@ class HostPool:
 
     def allocate(self, length: int) -> HostBlock | None:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
-        nbytes = max(ALIGN, (length + ALIGN - 1) // ALIGN * ALIGN)
+        nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN  # ALIGN is a power of two
         with self._lock:
-            # best fit over every slab (``_Slab.best_fit``, inlined: the activation
-            # offloader calls this for every saved tensor)
+            # best fit over every slab, then the block is cut from the front of the range
+            # found (one function: the activation offloader calls this for every saved
+            # tensor)
             best_slab = None
             best_index = best_size = 0
             for slab in self._slabs:
@@ -197,12 +190,20 @@ class HostPool:
                 best_slab = self._grow(nbytes)
                 if best_slab is None:
                     return None
-                best_index = 0
-            block = HostBlock(best_slab, best_slab.take(best_index, nbytes), nbytes, length)
-            self.in_use_bytes += nbytes
-            if self.in_use_bytes > self.peak_bytes:
-                self.peak_bytes = self.in_use_bytes
-            return block
+                best_index, best_size = 0, best_slab.size
+            starts = best_slab.starts
+            start = starts[best_index]
+            if best_size == nbytes:
+                del starts[best_index]
+                del best_slab.sizes[best_index]
+            else:
+                starts[best_index] = start + nbytes
+                best_slab.sizes[best_index] = best_size - nbytes
+            best_slab.used += nbytes
+            in_use = self.in_use_bytes = self.in_use_bytes + nbytes
+            if in_use > self.peak_bytes:
+                self.peak_bytes = in_use
+            return HostBlock(best_slab, start, nbytes, length)
 
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
@@ -231,11 +232,12 @@ class HostPool:
 
     def free(self, block: HostBlock) -> None:
         """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
+        nbytes = block.nbytes
         with self._lock:
-            slab = block.slab
-            slab.give(block.start, block.nbytes)  # type: ignore[union-attr]
-            slab.used -= block.nbytes  # type: ignore[union-attr]
-            self.in_use_bytes -= block.nbytes
+            slab: _Slab = block.slab  # type: ignore[assignment]
+            slab.give(block.start, nbytes)
+            slab.used -= nbytes
+            self.in_use_bytes -= nbytes
             block.slab = None
             block._tensor = None
 
