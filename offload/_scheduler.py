@@ -463,6 +463,9 @@ class Step:
         #: (one stream switch and one wait per batch) and always before a group closes
         self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
         self.compress = self.cfg.compress is not None
+        #: the config's, read for every saved tensor (the config is frozen)
+        self.tensor_filter = self.cfg.tensor_filter
+        self.min_tensor_bytes = self.cfg.min_tensor_bytes
         #: get_cpu_offload_context(manual_synchronization=True): saves are held until
         #: start_offload_layer, and nothing is released or reloaded on a schedule
         #: (Note [release order], "Manual mode")
@@ -746,9 +749,16 @@ class Step:
         if state is None:
             state = group.state = _placement.layer_state(group.module)
         storage = t.untyped_storage()
-        if _placement.parameter_like(t, state, storage.data_ptr()):
+        # _placement.parameter_like, inlined (_pack kept the Parameters already)
+        storages, frozen = state.storages, state.frozen_shapes
+        fn = t.grad_fn
+        if (
+            storage.data_ptr() in storages
+            or (fn is not None and _packing.derives_from_parameter(fn, storages))
+            or (fn is None and frozen and not t.requires_grad and tuple(t.shape) in frozen)
+        ):
             return self._keep("parameter", group, t)
-        flt = self.cfg.tensor_filter
+        flt = self.tensor_filter
         if flt is not None and not flt(t):
             return self._keep("filtered", group, t)
         if t.is_contiguous():  # _packing.span, inlined for the common case
@@ -757,7 +767,7 @@ class Step:
         else:
             start, end = _packing.span(t)
         nbytes = end - start
-        if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
+        if nbytes < self.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
         if not group.offload:  # a measuring forward: count what would travel
             key, total = storage._cdata, storage.nbytes()
