@@ -276,6 +276,8 @@ class _Copy:
         version: int,
         host: HostBlock,
         codec: torch.dtype | None,
+        storage: torch.UntypedStorage,
+        storage_nbytes: int,
     ):
         self.owner = owner
         self.start = start
@@ -290,8 +292,8 @@ class _Copy:
         self.holders = 0  # groups that have not yet dropped the reloaded buffer
         self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
-        self.ref: StorageWeakRef | None = None  # the device storage, while it lives
-        self.storage_nbytes = 0
+        self.ref = StorageWeakRef(storage)  # the device storage, while it lives
+        self.storage_nbytes = storage_nbytes
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
         #: packed form of offload/_compress.py); None: the span's bytes, exactly
         self.codec = codec
@@ -383,12 +385,14 @@ class Runtime:
         self.graveyard: collections.deque[tuple[Step, _Copy, _Group | None]] = collections.deque()
         self.warned_host_limit = False
 
-    @property
+    @functools.cached_property
     def pool(self) -> HostPool:
-        if self._pool is None:
-            self._pool = HostPool(
-                self.config.host_memory_limit, self.config.pin_memory, retain=self.retain_host
-            )
+        """The host pool, made at first use (``_pool`` stays ``None`` until then); a
+        cached property: read for every offloaded tensor, it costs an attribute lookup
+        once made."""
+        self._pool = HostPool(
+            self.config.host_memory_limit, self.config.pin_memory, retain=self.retain_host
+        )
         return self._pool
 
     def backend(self, device: torch.device) -> Backend:
@@ -815,7 +819,7 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
-        size, stride = t.size(), t.stride()
+        size, stride, dtype = t.size(), t.stride(), t.dtype
         whole = False  # Offloaded.whole
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
@@ -839,15 +843,14 @@ class Step:
             if block is None:
                 self._warn_host_limit(sent)
                 return self._keep("host_limit", group, t)
-            copy = _Copy(group.index, c_start, c_end, version, block, codec)
-            copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
+            copy = _Copy(group.index, c_start, c_end, version, block, codec, storage, total)
             alias = t.detach()  # same storage and version counter (the device reference)
             if codec is None and start == 0 and end == total and t.is_contiguous():
                 # The tensor's elements are exactly its storage's bytes: copy it into a
                 # host view of its own dtype and geometry (same bytes, same places), which
                 # saves a byte view of each side (_Copy.spec).
-                copy.spec = (t.dtype, size, stride)
-                copy.host_view = view = block.typed(t.dtype, size, stride)
+                copy.spec = (dtype, size, stride)
+                copy.host_view = view = block.typed(dtype, size, stride)
                 pair = (alias, view, None)
                 whole = True
             else:
@@ -862,7 +865,6 @@ class Step:
             else:
                 copies.append(copy)
             group.stats.bytes_offloaded += sent
-            dtype = t.dtype
             name = _DTYPE_NAMES.get(dtype)
             if name is None:
                 name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
@@ -873,15 +875,18 @@ class Step:
                 stats.compress_bytes_after += sent
             by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
-        elif copy.spec is not None:  # another tensor of the same storage, maybe the same one
-            whole = start == copy.start and copy.spec == (t.dtype, size, stride)
-        copies_of_group = group.copies
-        if id(copy) not in copies_of_group:
-            copies_of_group[id(copy)] = copy
-            copy.users += 1
+            group.copies[id(copy)] = copy  # its first user
+            copy.users = 1
+        else:
+            if copy.spec is not None:  # another tensor of the same storage, maybe the same one
+                whole = start == copy.start and copy.spec == (dtype, size, stride)
+            copies_of_group = group.copies
+            if id(copy) not in copies_of_group:
+                copies_of_group[id(copy)] = copy
+                copy.users += 1
         copy.refs += 1
         group.live += 1
-        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start, whole)
+        return Offloaded(self, group, copy, dtype, size, stride, start - copy.start, whole)
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -942,8 +947,8 @@ class Step:
         # travelled for nothing, and is not counted). One storage may have several copies.
         freed: dict[int, int] = {}
         for copy in mine.values():
-            if copy.ref.expired():  # type: ignore[union-attr]
-                freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
+            if copy.ref.expired():
+                freed[copy.ref.cdata] = copy.storage_nbytes
         group.stats.bytes_released += sum(freed.values())
 
     # ---- manual mode (get_cpu_offload_context(manual_synchronization=True)) -----------
@@ -1160,7 +1165,7 @@ class Step:
         if copy.buffer is not None:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
-            if reuse and not self.backward_done:
+            if reuse and self.buffers.reuse and not self.backward_done:  # kept as a spare
                 spec = copy.spec
                 self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None
