@@ -93,8 +93,8 @@ class HostBlock:
     """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`.
 
     Its ``tensor`` (a ``uint8`` view of its ``length`` bytes) is made at first use: the
-    activation offloader's hot path copies into :meth:`typed` views instead and needs
-    the byte view only when it reloads. After :meth:`HostPool.free` it is ``None``."""
+    activation offloader copies through :meth:`typed` views instead (cached by the
+    slab). After :meth:`HostPool.free` it is ``None``."""
 
     __slots__ = ("slab", "start", "nbytes", "length", "_tensor")
 

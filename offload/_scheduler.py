@@ -301,8 +301,11 @@ class _Copy:
         #: tensor of that geometry (the common case): its host bytes are written and read
         #: through ``host_view`` (that geometry over the host block) and it is reloaded
         #: into a buffer of that geometry, which its handles of that geometry return as
-        #: they are (no byte views). None: byte copies (``host.tensor``, uint8 buffers).
+        #: they are (no byte views). None: byte copies (uint8 host view and buffers).
         self.spec: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
+        #: the host block as the copies write and read it: ``spec``'s geometry, else its
+        #: ``length`` bytes (``uint8``); a view the pool caches (``HostBlock.typed``).
+        #: None once the block is returned.
         self.host_view: torch.Tensor | None = None
 
 
@@ -854,7 +857,8 @@ class Step:
                 pair = (alias, view, None)
                 whole = True
             else:
-                pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
+                copy.host_view = view = block.typed(torch.uint8, (sent,), (1,))
+                pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
             queue = self.d2h_queue
             queue.append(pair)
             if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
@@ -1071,9 +1075,7 @@ class Step:
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
             host = copy.host
-            pairs.append(
-                (copy.host_view if copy.spec is not None else host.tensor, buffer, copy.codec)  # type: ignore[union-attr]
-            )
+            pairs.append((copy.host_view, buffer, copy.codec))
             reloaded += host.length  # type: ignore[union-attr]
             if copy.owner not in owners and self.capture != "layer":
                 # one wait per event is enough; none in a per-layer capture, whose forward
