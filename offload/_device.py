@@ -69,6 +69,21 @@ def empty(request: Request, device: torch.device) -> torch.Tensor:
 Copies = list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
 
 
+def _copy_exact(pairs: Copies, non_blocking: bool = False) -> bool:
+    """Issue every copy of ``pairs`` in one call when none has a codec; returns False
+    (and copies nothing) when one has. One ``torch._foreach_copy_`` runs, pair by pair
+    and in order, the same ``dst.copy_(src, non_blocking)`` as a loop would (sources and
+    destinations on different devices, or several dtypes, take its per-tensor path),
+    without a Python call per pair: this runs for every offloaded tensor."""
+    for _src, _dst, codec in pairs:
+        if codec is not None:
+            return False
+    if pairs:
+        srcs, dsts, _ = zip(*pairs)
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+    return True
+
+
 class Backend:
     """Interface shared by the synchronous and the CUDA backend.
 
@@ -89,12 +104,13 @@ class Backend:
         """Copy each device ``src`` into its host ``dst``, after the work that produced
         them (everything queued so far on the current stream)."""
         start = time.perf_counter() if times is not None else 0.0
-        for src, dst, codec in pairs:
-            if codec is None:
-                dst.copy_(src)
-                continue
-            for part, packed in _chunks(src.view(codec), dst):
-                _compress.quantize_into(part, packed)
+        if not _copy_exact(pairs):
+            for src, dst, codec in pairs:
+                if codec is None:
+                    dst.copy_(src)
+                    continue
+                for part, packed in _chunks(src.view(codec), dst):
+                    _compress.quantize_into(part, packed)
         if times is not None:
             times.append(("d2h", time.perf_counter() - start))
 
@@ -117,12 +133,13 @@ class Backend:
     ) -> Any:
         """Copy each host ``src`` into its device ``dst``; returns the reload event."""
         start = time.perf_counter() if times is not None else 0.0
-        for src, dst, codec in pairs:
-            if codec is None:
-                dst.copy_(src)
-                continue
-            for part, packed in _chunks(dst.view(codec), src):
-                _compress.dequantize_into(packed, part)
+        if not _copy_exact(pairs):
+            for src, dst, codec in pairs:
+                if codec is None:
+                    dst.copy_(src)
+                    continue
+                for part, packed in _chunks(dst.view(codec), src):
+                    _compress.dequantize_into(packed, part)
         if times is not None:
             times.append(("h2d", time.perf_counter() - start))
         return None
@@ -288,7 +305,9 @@ class CudaBackend(Backend):
                 start, end = _timed_event(), _timed_event()
                 start.record()
             codec_stream: Any = None
-            for src, dst, codec in pairs:
+            # every pair plain (the usual case): all issued at once, nothing left to loop
+            plain = _copy_exact(pairs, non_blocking=True)
+            for src, dst, codec in () if plain else pairs:
                 if codec is None:
                     dst.copy_(src, non_blocking=True)
                     continue
@@ -340,7 +359,9 @@ class CudaBackend(Backend):
             if times is not None:
                 start = _timed_event()
                 start.record()
-            for src, dst, codec in pairs:
+            # every pair plain (the usual case): all issued at once, nothing left to loop
+            plain = _copy_exact(pairs, non_blocking=True)
+            for src, dst, codec in () if plain else pairs:
                 if codec is None:
                     dst.copy_(src, non_blocking=True)
                     continue

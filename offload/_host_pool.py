@@ -22,12 +22,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "MIN_SLAB_BYTES", "HostBlock", "HostPool", "default_host_limit"]
+__all__ = [
+    "ALIGN",
+    "MAX_CACHED_VIEWS",
+    "MIN_SLAB_BYTES",
+    "HostBlock",
+    "HostPool",
+    "default_host_limit",
+]
 
 #: Alignment of every block (bytes): enough for every dtype and for fast DMA.
 ALIGN = 512
 #: Smallest slab the pool asks for.
 MIN_SLAB_BYTES = 64 << 20
+#: Most typed views a slab caches (:meth:`HostBlock.typed`); the cache is emptied when
+#: full (shapes that change every step would otherwise grow it without end).
+MAX_CACHED_VIEWS = 8192
 
 
 def default_host_limit() -> int:
@@ -47,7 +57,7 @@ def _next_pow2(n: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed")
+    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed", "views")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
@@ -55,41 +65,36 @@ class _Slab:
         #: dtype -> the whole slab viewed as that dtype (made at first use; the size is
         #: a power of two of at least ALIGN bytes, so every itemsize divides it)
         self.typed: dict[torch.dtype, torch.Tensor] = {}
+        #: (start, dtype, size, stride) -> that view of the slab (HostBlock.typed): a
+        #: step whose shapes repeat the last one's gets its blocks at the same starts
+        self.views: dict[tuple[int, torch.dtype, Any, Any], torch.Tensor] = {}
         self.starts: list[int] = [0]  # free ranges, sorted by start
         self.sizes: list[int] = [self.size]
         self.used = 0
 
-    def take(self, index: int, nbytes: int) -> int:
-        start = self.starts[index]
-        if self.sizes[index] == nbytes:
-            del self.starts[index]
-            del self.sizes[index]
-        else:
-            self.starts[index] += nbytes
-            self.sizes[index] -= nbytes
-        self.used += nbytes
-        return start
-
     def give(self, start: int, nbytes: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
+        """Return ``[start, start + nbytes)`` to the free ranges, merged with its
+        neighbours."""
+        starts, sizes = self.starts, self.sizes
+        i = bisect.bisect_left(starts, start)
         # merge with the following range, then with the preceding one
-        if i < len(self.starts) and start + nbytes == self.starts[i]:
-            nbytes += self.sizes[i]
-            del self.starts[i]
-            del self.sizes[i]
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
-            self.sizes[i - 1] += nbytes
+        if i < len(starts) and start + nbytes == starts[i]:
+            nbytes += sizes[i]
+            del starts[i]
+            del sizes[i]
+        if i > 0 and starts[i - 1] + sizes[i - 1] == start:
+            sizes[i - 1] += nbytes
         else:
-            self.starts.insert(i, start)
-            self.sizes.insert(i, nbytes)
+            starts.insert(i, start)
+            sizes.insert(i, nbytes)
 
 
 class HostBlock:
     """A block of host bytes owned by one offloaded span until :meth:`HostPool.free`.
 
     Its ``tensor`` (a ``uint8`` view of its ``length`` bytes) is made at first use: the
-    activation offloader's hot path copies into :meth:`typed` views instead and needs
-    the byte view only when it reloads. After :meth:`HostPool.free` it is ``None``."""
+    activation offloader copies through :meth:`typed` views instead (cached by the
+    slab). After :meth:`HostPool.free` it is ``None``."""
 
     __slots__ = ("slab", "start", "nbytes", "length", "_tensor")
 
@@ -113,12 +118,22 @@ class HostBlock:
     def typed(self, dtype: torch.dtype, size: Any, stride: Any) -> torch.Tensor:
         """A tensor of ``dtype``, ``size`` and ``stride`` over the block's first bytes
         (its start is ALIGN-aligned, a multiple of every itemsize). The caller keeps
-        it within ``length`` bytes."""
-        slab = self.slab
-        view = slab.typed.get(dtype)  # type: ignore[union-attr]
+        it within ``length`` bytes, and never changes the tensor's metadata: the view
+        is cached in the slab and handed out again to the next block of the same start
+        and geometry (making one costs more than the rest of a block's allocation)."""
+        slab: _Slab = self.slab  # type: ignore[assignment]
+        views = slab.views
+        key = (self.start, dtype, size, stride)
+        view = views.get(key)
         if view is None:
-            view = slab.typed[dtype] = slab.buffer.view(dtype)  # type: ignore[union-attr]
-        return view.as_strided(size, stride, self.start // dtype.itemsize)
+            whole = slab.typed.get(dtype)
+            if whole is None:
+                whole = slab.typed[dtype] = slab.buffer.view(dtype)
+            view = whole.as_strided(size, stride, self.start // dtype.itemsize)
+            if len(views) >= MAX_CACHED_VIEWS:
+                views.clear()
+            views[key] = view
+        return view
 
 
 class HostPool:
@@ -156,10 +171,11 @@ class HostPool:
 
     def allocate(self, length: int) -> HostBlock | None:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
-        nbytes = max(ALIGN, (length + ALIGN - 1) // ALIGN * ALIGN)
+        nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN  # ALIGN is a power of two
         with self._lock:
-            # best fit over every slab (``_Slab.best_fit``, inlined: the activation
-            # offloader calls this for every saved tensor)
+            # best fit over every slab, then the block is cut from the front of the range
+            # found (one function: the activation offloader calls this for every saved
+            # tensor)
             best_slab = None
             best_index = best_size = 0
             for slab in self._slabs:
@@ -174,12 +190,20 @@ class HostPool:
                 best_slab = self._grow(nbytes)
                 if best_slab is None:
                     return None
-                best_index = 0
-            block = HostBlock(best_slab, best_slab.take(best_index, nbytes), nbytes, length)
-            self.in_use_bytes += nbytes
-            if self.in_use_bytes > self.peak_bytes:
-                self.peak_bytes = self.in_use_bytes
-            return block
+                best_index, best_size = 0, best_slab.size
+            starts = best_slab.starts
+            start = starts[best_index]
+            if best_size == nbytes:
+                del starts[best_index]
+                del best_slab.sizes[best_index]
+            else:
+                starts[best_index] = start + nbytes
+                best_slab.sizes[best_index] = best_size - nbytes
+            best_slab.used += nbytes
+            in_use = self.in_use_bytes = self.in_use_bytes + nbytes
+            if in_use > self.peak_bytes:
+                self.peak_bytes = in_use
+            return HostBlock(best_slab, start, nbytes, length)
 
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
@@ -208,11 +232,12 @@ class HostPool:
 
     def free(self, block: HostBlock) -> None:
         """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
+        nbytes = block.nbytes
         with self._lock:
-            slab = block.slab
-            slab.give(block.start, block.nbytes)  # type: ignore[union-attr]
-            slab.used -= block.nbytes  # type: ignore[union-attr]
-            self.in_use_bytes -= block.nbytes
+            slab: _Slab = block.slab  # type: ignore[assignment]
+            slab.give(block.start, nbytes)
+            slab.used -= nbytes
+            self.in_use_bytes -= nbytes
             block.slab = None
             block._tensor = None
 

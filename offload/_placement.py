@@ -69,7 +69,8 @@ def parameter_like(t: torch.Tensor, state: LayerState, storage_ptr: int | None =
     """Whether ``t`` is a parameter in disguise: a parameter or buffer, a tensor on
     one's storage, a view/cast chain back to one (``_packing.is_parameter_derived``), or
     a cast of a frozen weight (see :class:`LayerState`). ``storage_ptr``:
-    ``t.untyped_storage().data_ptr()`` when the caller has it already."""
+    ``t.untyped_storage().data_ptr()`` when the caller has it already.
+    ``Step._place`` inlines this test: change both together."""
     # _packing.is_parameter_derived, unrolled (this runs for every saved tensor)
     if issubclass(type(t), torch.nn.Parameter):
         return True

@@ -276,6 +276,8 @@ class _Copy:
         version: int,
         host: HostBlock,
         codec: torch.dtype | None,
+        storage: torch.UntypedStorage,
+        storage_nbytes: int,
     ):
         self.owner = owner
         self.start = start
@@ -290,8 +292,8 @@ class _Copy:
         self.holders = 0  # groups that have not yet dropped the reloaded buffer
         self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
-        self.ref: StorageWeakRef | None = None  # the device storage, while it lives
-        self.storage_nbytes = 0
+        self.ref = StorageWeakRef(storage)  # the device storage, while it lives
+        self.storage_nbytes = storage_nbytes
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
         #: packed form of offload/_compress.py); None: the span's bytes, exactly
         self.codec = codec
@@ -299,8 +301,11 @@ class _Copy:
         #: tensor of that geometry (the common case): its host bytes are written and read
         #: through ``host_view`` (that geometry over the host block) and it is reloaded
         #: into a buffer of that geometry, which its handles of that geometry return as
-        #: they are (no byte views). None: byte copies (``host.tensor``, uint8 buffers).
+        #: they are (no byte views). None: byte copies (uint8 host view and buffers).
         self.spec: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
+        #: the host block as the copies write and read it: ``spec``'s geometry, else its
+        #: ``length`` bytes (``uint8``); a view the pool caches (``HostBlock.typed``).
+        #: None once the block is returned.
         self.host_view: torch.Tensor | None = None
 
 
@@ -383,12 +388,14 @@ class Runtime:
         self.graveyard: collections.deque[tuple[Step, _Copy, _Group | None]] = collections.deque()
         self.warned_host_limit = False
 
-    @property
+    @functools.cached_property
     def pool(self) -> HostPool:
-        if self._pool is None:
-            self._pool = HostPool(
-                self.config.host_memory_limit, self.config.pin_memory, retain=self.retain_host
-            )
+        """The host pool, made at first use (``_pool`` stays ``None`` until then); a
+        cached property: read for every offloaded tensor, it costs an attribute lookup
+        once made."""
+        self._pool = HostPool(
+            self.config.host_memory_limit, self.config.pin_memory, retain=self.retain_host
+        )
         return self._pool
 
     def backend(self, device: torch.device) -> Backend:
@@ -463,6 +470,9 @@ class Step:
         #: (one stream switch and one wait per batch) and always before a group closes
         self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
         self.compress = self.cfg.compress is not None
+        #: the config's, read for every saved tensor (the config is frozen)
+        self.tensor_filter = self.cfg.tensor_filter
+        self.min_tensor_bytes = self.cfg.min_tensor_bytes
         #: get_cpu_offload_context(manual_synchronization=True): saves are held until
         #: start_offload_layer, and nothing is released or reloaded on a schedule
         #: (Note [release order], "Manual mode")
@@ -746,9 +756,16 @@ class Step:
         if state is None:
             state = group.state = _placement.layer_state(group.module)
         storage = t.untyped_storage()
-        if _placement.parameter_like(t, state, storage.data_ptr()):
+        # _placement.parameter_like, inlined (_pack kept the Parameters already)
+        storages, frozen = state.storages, state.frozen_shapes
+        fn = t.grad_fn
+        if (
+            storage.data_ptr() in storages
+            or (fn is not None and _packing.derives_from_parameter(fn, storages))
+            or (fn is None and frozen and not t.requires_grad and tuple(t.shape) in frozen)
+        ):
             return self._keep("parameter", group, t)
-        flt = self.cfg.tensor_filter
+        flt = self.tensor_filter
         if flt is not None and not flt(t):
             return self._keep("filtered", group, t)
         if t.is_contiguous():  # _packing.span, inlined for the common case
@@ -757,7 +774,7 @@ class Step:
         else:
             start, end = _packing.span(t)
         nbytes = end - start
-        if nbytes < self.cfg.min_tensor_bytes or nbytes == 0:
+        if nbytes < self.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
         if not group.offload:  # a measuring forward: count what would travel
             key, total = storage._cdata, storage.nbytes()
@@ -805,7 +822,7 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
-        size, stride = t.size(), t.stride()
+        size, stride, dtype = t.size(), t.stride(), t.dtype
         whole = False  # Offloaded.whole
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
@@ -829,19 +846,19 @@ class Step:
             if block is None:
                 self._warn_host_limit(sent)
                 return self._keep("host_limit", group, t)
-            copy = _Copy(group.index, c_start, c_end, version, block, codec)
-            copy.ref, copy.storage_nbytes = StorageWeakRef(storage), total
+            copy = _Copy(group.index, c_start, c_end, version, block, codec, storage, total)
             alias = t.detach()  # same storage and version counter (the device reference)
             if codec is None and start == 0 and end == total and t.is_contiguous():
                 # The tensor's elements are exactly its storage's bytes: copy it into a
                 # host view of its own dtype and geometry (same bytes, same places), which
                 # saves a byte view of each side (_Copy.spec).
-                copy.spec = (t.dtype, size, stride)
-                copy.host_view = view = block.typed(t.dtype, size, stride)
+                copy.spec = (dtype, size, stride)
+                copy.host_view = view = block.typed(dtype, size, stride)
                 pair = (alias, view, None)
                 whole = True
             else:
-                pair = (_packing.as_bytes(t, c_start, c_end), block.tensor, codec)
+                copy.host_view = view = block.typed(torch.uint8, (sent,), (1,))
+                pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
             queue = self.d2h_queue
             queue.append(pair)
             if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
@@ -852,7 +869,6 @@ class Step:
             else:
                 copies.append(copy)
             group.stats.bytes_offloaded += sent
-            dtype = t.dtype
             name = _DTYPE_NAMES.get(dtype)
             if name is None:
                 name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
@@ -863,15 +879,18 @@ class Step:
                 stats.compress_bytes_after += sent
             by_dtype = stats.bytes_by_dtype
             by_dtype[name] = by_dtype.get(name, 0) + sent
-        elif copy.spec is not None:  # another tensor of the same storage, maybe the same one
-            whole = start == copy.start and copy.spec == (t.dtype, size, stride)
-        copies_of_group = group.copies
-        if id(copy) not in copies_of_group:
-            copies_of_group[id(copy)] = copy
-            copy.users += 1
+            group.copies[id(copy)] = copy  # its first user
+            copy.users = 1
+        else:
+            if copy.spec is not None:  # another tensor of the same storage, maybe the same one
+                whole = start == copy.start and copy.spec == (dtype, size, stride)
+            copies_of_group = group.copies
+            if id(copy) not in copies_of_group:
+                copies_of_group[id(copy)] = copy
+                copy.users += 1
         copy.refs += 1
         group.live += 1
-        return Offloaded(self, group, copy, t.dtype, size, stride, start - copy.start, whole)
+        return Offloaded(self, group, copy, dtype, size, stride, start - copy.start, whole)
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -932,8 +951,8 @@ class Step:
         # travelled for nothing, and is not counted). One storage may have several copies.
         freed: dict[int, int] = {}
         for copy in mine.values():
-            if copy.ref.expired():  # type: ignore[union-attr]
-                freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
+            if copy.ref.expired():
+                freed[copy.ref.cdata] = copy.storage_nbytes
         group.stats.bytes_released += sum(freed.values())
 
     # ---- manual mode (get_cpu_offload_context(manual_synchronization=True)) -----------
@@ -1056,9 +1075,7 @@ class Step:
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
             host = copy.host
-            pairs.append(
-                (copy.host_view if copy.spec is not None else host.tensor, buffer, copy.codec)  # type: ignore[union-attr]
-            )
+            pairs.append((copy.host_view, buffer, copy.codec))
             reloaded += host.length  # type: ignore[union-attr]
             if copy.owner not in owners and self.capture != "layer":
                 # one wait per event is enough; none in a per-layer capture, whose forward
@@ -1150,7 +1167,7 @@ class Step:
         if copy.buffer is not None:
             if not copy.waited:
                 self.backend.wait(copy.stream, copy.reload_event)  # type: ignore[union-attr]
-            if reuse and not self.backward_done:
+            if reuse and self.buffers.reuse and not self.backward_done:  # kept as a spare
                 spec = copy.spec
                 self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from offload import _host_pool
 from offload._host_pool import ALIGN, MIN_SLAB_BYTES, HostPool
 
 
@@ -59,3 +61,35 @@ def test_close_drops_slabs() -> None:
     assert b.tensor[999] == 999 % 256  # a block still handed out stays valid
     pool.free(b)
     assert pool.in_use_bytes == 0
+
+
+def test_typed_views_address_the_block_and_are_reused() -> None:
+    pool = HostPool(limit=1 << 30, pin=False)
+    a = pool.allocate(4 * 6)
+    b = pool.allocate(4 * 6)
+    va = a.typed(torch.float32, torch.Size([2, 3]), (3, 1))
+    vb = b.typed(torch.float32, torch.Size([2, 3]), (3, 1))
+    assert va.data_ptr() == a.slab.buffer.data_ptr() + a.start
+    assert vb.data_ptr() == b.slab.buffer.data_ptr() + b.start
+    vb.copy_(torch.arange(6.0).view(2, 3))
+    assert torch.equal(b.tensor.view(torch.float32), torch.arange(6.0))
+    start = b.start
+    pool.free(b)
+    again = pool.allocate(4 * 6)
+    assert again.start == start  # best fit: the same place
+    assert again.typed(torch.float32, torch.Size([2, 3]), (3, 1)) is vb  # cached
+    other = again.typed(torch.float16, torch.Size([6]), (1,))  # another geometry
+    assert other.dtype == torch.float16 and other.data_ptr() == vb.data_ptr()
+    pool.free(a)
+    pool.free(again)
+
+
+def test_typed_view_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_host_pool, "MAX_CACHED_VIEWS", 4)
+    pool = HostPool(limit=1 << 30, pin=False)
+    block = pool.allocate(1024)
+    for n in range(1, 11):
+        view = block.typed(torch.uint8, torch.Size([n]), (1,))
+        assert view.numel() == n and view.data_ptr() == block.tensor.data_ptr()
+        assert len(block.slab.views) <= 4
+    pool.free(block)
