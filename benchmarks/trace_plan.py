@@ -14,8 +14,10 @@ allocator emptied first), then one step under ``torch.profiler``. From the profi
 compute stream's kernels: the stream with the most kernel time); ``compute idle``
 (device ms - compute busy: the time the compute stream waited, for the host, for a
 copy or for an event); the copy streams' busy time (D2H and H2D, from the memcpy
-kinds); and the ``--gaps`` largest idle gaps of the compute stream (start in ms from the
-first kernel, length, and the bytes of host-to-device copies running during the gap).
+kinds); the ``--gaps`` largest idle gaps of the compute stream (start in ms from the first
+kernel, length, and how long host-to-device copies ran during the gap); and every CUDA
+runtime call of the host that took over 100 us (``cudaMalloc``, ``cudaHostAlloc``, a
+synchronisation: the usual reasons for the compute stream to starve).
 """
 
 from __future__ import annotations
@@ -59,11 +61,14 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
     kernels: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    slow_calls: list[tuple[float, float, str]] = []  # host runtime calls over 100 us
     copies: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            continue
         a, b = e.time_range.start, e.time_range.end
+        if e.device_type != DeviceType.CUDA:
+            if e.name.startswith("cuda") and b - a > 100:
+                slow_calls.append((a, b - a, e.name))
+            continue
         if e.name.startswith("Memcpy"):
             kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "other"
             copies[kind].append((a, b, 0))
@@ -96,6 +101,9 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
         "d2h_busy_ms": _union([(a, b) for a, b, _ in copies.get("d2h", [])]) / 1e3,
         "h2d_busy_ms": _union([(a, b) for a, b, _ in h2d]) / 1e3,
         "largest_gaps": top,
+        "slow_runtime_calls": [
+            {"at_ms": (a - first) / 1e3, "ms": d / 1e3, "name": n} for a, d, n in sorted(slow_calls)
+        ],
     }
 
 
@@ -152,6 +160,8 @@ def main() -> None:
                 f"    gap at {g['at_ms']:.1f} ms: {g['ms']:.2f} ms "
                 f"(H2D running {g['h2d_overlap_ms']:.2f} ms of it)"
             )
+        for c in row["slow_runtime_calls"]:
+            print(f"    host call at {c['at_ms']:.1f} ms: {c['name']} {c['ms']:.2f} ms")
     write_json(
         args.out,
         {
