@@ -1,0 +1,112 @@
+"""When each layer's forward and backward starts, on the device, for a few plans.
+
+Command (one GPU, about 20 s)::
+
+    PYTHONPATH=. python3 benchmarks/trace_layers.py --plans o.......,oo......,o.Ss.... \\
+        --out trace_layers.json
+
+Model: ref-8L (``ReferenceModel(8, 4096, 32, 14336)``, bf16, seed 0); a step is
+``model.loss(x).backward()`` on a fresh ``x``. Each plan is a string of lever codes
+(``o`` offload, ``S`` selective_offload, ``s`` selective, ``c`` checkpoint, ``C``
+checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan`; ``........`` (no
+lever) is always measured first, as the reference. Per step, CUDA events are recorded on
+the compute stream at the step's start, at each layer's forward pre-hook (``f<i>``),
+when the gradient of each layer's output arrives (``b<i>``: that layer's backward
+starts), at the end of the forward and at the end of the backward. Printed per plan:
+the median over ``--steps`` steps (after 3 warm-up steps) of each mark in ms from the
+start, and in parentheses its difference from the no-lever plan: where a plan's extra
+time appears (a mark's delta grows across a layer: that layer took longer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+from _common import environment, write_json
+
+import offload
+from offload._reference import ReferenceModel
+
+CODES = {
+    "o": "offload",
+    "S": "selective_offload",
+    "s": "selective",
+    "c": "checkpoint",
+    "C": "checkpoint_offload",
+    ".": "keep",
+}
+
+
+def marks(model: ReferenceModel, code: str, steps: int) -> dict[str, float]:
+    """Median ms from the step's start to each mark, for the plan ``code``."""
+    plan = offload.Plan(model.layers, [CODES[c] for c in code]).apply(model)
+    rows: list[dict[str, float]] = []
+    try:
+        for i in range(steps + 3):
+            events: list[tuple[str, torch.cuda.Event]] = []
+
+            def mark(name: str, events: list = events) -> None:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                events.append((name, e))
+
+            def pre(_m: Any, _a: Any, i: int) -> None:
+                mark(f"f{i}")
+
+            def post(_m: Any, _a: Any, out: torch.Tensor, i: int) -> None:
+                out.register_hook(lambda _g: mark(f"b{i}"))
+
+            hooks = []
+            for j, layer in enumerate(model.layers):
+                hooks.append(layer.register_forward_pre_hook(lambda m, a, j=j: pre(m, a, j)))
+                hooks.append(layer.register_forward_hook(lambda m, a, o, j=j: post(m, a, o, j)))
+            x = torch.randn(1, 4096, 4096, device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            mark("start")
+            loss = model.loss(x)
+            mark("forward_end")
+            loss.backward()
+            mark("end")
+            torch.cuda.synchronize()
+            for h in hooks:
+                h.remove()
+            t0 = events[0][1]
+            if i >= 3:
+                rows.append({name: t0.elapsed_time(e) for name, e in events})
+    finally:
+        plan.remove()
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", default="o.......,oo......,o.Ss....")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = ReferenceModel(8, 4096, 32, 14336, device="cuda", dtype=torch.bfloat16)
+    base = marks(model, "........", args.steps)
+    rows = {"........": base}
+    print("........ " + " ".join(f"{k}:{v:.1f}" for k, v in base.items()))
+    for code in args.plans.split(","):
+        r = rows[code] = marks(model, code, args.steps)
+        print(code + " " + " ".join(f"{k}:{v:.1f}({v - base[k]:+.1f})" for k, v in r.items()))
+    write_json(
+        args.out,
+        {
+            "benchmark": "trace_layers",
+            "command": sys.argv,
+            "environment": environment(torch.device("cuda")),
+            "steps": args.steps,
+            "marks_ms": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
