@@ -214,6 +214,11 @@ class PlanCosts:
         for name in ("workspace_bytes", "prefetch_bytes", "gap_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be >= 0")
+        # memory() and seconds() of the plans seen (the search and its verification ask
+        # for the same plans again and again): levers tuple -> anchored prediction. Not
+        # fields: to_dict(), equality and repr ignore them.
+        object.__setattr__(self, "_memory_memo", {})
+        object.__setattr__(self, "_seconds_memo", {})
 
     @property
     def num_layers(self) -> int:
@@ -306,10 +311,27 @@ class PlanCosts:
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
-        raw = self.raw_memory(levers)
-        if self.activation_bytes is None:
-            return raw
-        return self.activation_bytes + raw - self.raw_memory(["keep"] * self.num_layers)
+        key = tuple(levers)
+        memo: dict[tuple[str, ...], float] = self._memory_memo  # type: ignore[attr-defined]
+        got = memo.get(key)
+        if got is None:
+            got = self.raw_memory(key)
+            if self.activation_bytes is not None:
+                got += self.activation_bytes - self.memory_anchor
+            _remember(memo, key, got)
+        return got
+
+    @property
+    def memory_anchor(self) -> float:
+        """``raw_memory`` of the plan without levers (what ``activation_bytes`` measured)."""
+        return self._anchor("memory", self.raw_memory)
+
+    def _anchor(self, name: str, raw: Callable[[Sequence[str]], float]) -> float:
+        value = self.__dict__.get(f"_{name}_anchor")
+        if value is None:
+            value = raw(("keep",) * self.num_layers)
+            object.__setattr__(self, f"_{name}_anchor", value)
+        return value
 
     # ---- time ------------------------------------------------------------------------
 
@@ -334,10 +356,15 @@ class PlanCosts:
 
     def seconds(self, levers: Sequence[str]) -> float:
         """Predicted step seconds, anchored on the measured step without levers."""
-        raw = self.raw_seconds(levers)
-        if self.step_s is None:
-            return raw
-        return self.step_s + raw - self.raw_seconds(["keep"] * self.num_layers)
+        key = tuple(levers)
+        memo: dict[tuple[str, ...], float] = self._seconds_memo  # type: ignore[attr-defined]
+        got = memo.get(key)
+        if got is None:
+            got = self.raw_seconds(key)
+            if self.step_s is not None:
+                got += self.step_s - self._anchor("seconds", self.raw_seconds)
+            _remember(memo, key, got)
+        return got
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -345,6 +372,16 @@ class PlanCosts:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlanCosts:
         return cls(**data)
+
+
+#: Most predictions a :class:`PlanCosts` remembers per kind (then it forgets them all).
+_MEMO_LIMIT = 200_000
+
+
+def _remember(memo: dict[tuple[str, ...], float], key: tuple[str, ...], value: float) -> None:
+    if len(memo) >= _MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
 
 
 def _family(L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint") -> list[str]:
@@ -387,41 +424,69 @@ def candidates(
     first). Same arguments and errors as :func:`optimize`."""
     allowed = set(_check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
-    ks = range(L) if "offload" in allowed else [0]  # the last layer is never offloaded
     kinds = [x for x in ("checkpoint", "checkpoint_offload") if x in allowed] or ["checkpoint"]
     found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
-    for k in ks:
-        os_ = range(L - k) if "selective_offload" in allowed else [0]
-        for o in os_:
-            for ckpt in kinds:
-                if ckpt not in allowed:
-                    cs: Sequence[int] = [0]
-                elif ckpt in OFFLOADED:  # never the last layer
-                    cs = range(L - k - o)
-                else:
-                    cs = range(L - k - o + 1)
-                for c in cs:
-                    if c == 0 and ckpt != kinds[0]:
-                        continue  # the same plans as with the first kind
-                    top = L - k - o - c if "selective" in allowed else 0
-                    # memory does not grow as layers go from kept to selective: take the
-                    # first count that fits (binary search), the cheapest of this family
-                    lo, hi = 0, top
-                    if costs.memory(_family(L, k, o, c, hi, ckpt)) > budget_bytes:
-                        candidate = _family(L, k, o, c, hi, ckpt)
-                        mem = costs.memory(candidate)
-                        if smallest is None or mem < smallest[0]:
-                            smallest = (mem, candidate)
-                        continue
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if costs.memory(_family(L, k, o, c, mid, ckpt)) <= budget_bytes:
-                            hi = mid
-                        else:
-                            lo = mid + 1
-                    candidate = _family(L, k, o, c, lo, ckpt)
-                    found.append((costs.seconds(candidate), candidate))
+    families: dict[tuple[int, int, int, str], float] = {}  # (k, o, c, kind) -> seconds
+
+    def family(k: int, o: int, c: int, ckpt: str) -> None:
+        """The fastest plan of the family (fewest selective layers that fit), if any."""
+        nonlocal smallest
+        if (k, o, c, ckpt) in families:
+            return
+        top = L - k - o - c if "selective" in allowed else 0
+        # memory does not grow as layers go from kept to selective: take the first count
+        # that fits (binary search), the cheapest of this family
+        most = _family(L, k, o, c, top, ckpt)
+        if costs.memory(most) > budget_bytes:
+            families[(k, o, c, ckpt)] = float("inf")
+            mem = costs.memory(most)
+            if smallest is None or mem < smallest[0]:
+                smallest = (mem, most)
+            return
+        lo, hi = 0, top
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if costs.memory(_family(L, k, o, c, mid, ckpt)) <= budget_bytes:
+                hi = mid
+            else:
+                lo = mid + 1
+        candidate = _family(L, k, o, c, lo, ckpt)
+        seconds = costs.seconds(candidate)
+        families[(k, o, c, ckpt)] = seconds
+        found.append((seconds, candidate))
+
+    def counts(n: int, step: int, around: int | None = None) -> list[int]:
+        """0..n-1 every ``step`` (the last one too), or every value within ``step`` of
+        ``around``."""
+        if n <= 0:
+            return [0]
+        if around is not None:
+            return list(range(max(0, around - step), min(n, around + step + 1)))
+        return sorted({*range(0, n, step), n - 1})
+
+    def search(step: int, near: tuple[int, int, int, str] | None = None) -> None:
+        nk, no, nc = (near[0], near[1], near[2]) if near is not None else (None, None, None)
+        for k in counts(L, step, nk) if "offload" in allowed else [0]:
+            for o in counts(L - k, step, no) if "selective_offload" in allowed else [0]:
+                for ckpt in kinds if near is None else [near[3]]:
+                    if ckpt not in allowed:
+                        cs: Sequence[int] = [0]
+                    else:  # an offloaded kind never takes the last layer
+                        cs = counts(L - k - o + (ckpt not in OFFLOADED), step, nc)
+                    for c in cs:
+                        if c == 0 and ckpt != kinds[0]:
+                            continue  # the same plans as with the first kind
+                        family(k, o, c, ckpt)
+
+    # Every family up to _FULL_SEARCH layers; beyond, the counts on a stride first (about
+    # _FULL_SEARCH values each), then every count near the fastest families found.
+    stride = -(-L // _FULL_SEARCH)
+    search(stride)
+    if stride > 1:
+        best = sorted((t, f) for f, t in families.items() if t != float("inf"))
+        for _, f in best[:_REFINED]:
+            search(stride, f)
     if not found:
         assert smallest is not None
         raise ValueError(
@@ -446,6 +511,12 @@ def candidates(
 
 #: How many of the fastest family plans :func:`candidates` improves layer by layer.
 _POLISHED = 4
+
+#: Up to this many layers :func:`candidates` tries every family; with more, every
+#: ``ceil(L / _FULL_SEARCH)``-th count of each lever first, then every count near the
+#: :data:`_REFINED` fastest families (the search stays about as fast as at this size).
+_FULL_SEARCH = 16
+_REFINED = 8
 
 
 def _ranking(costs: PlanCosts) -> Callable[[tuple[float, list[str]]], tuple[float, ...]]:

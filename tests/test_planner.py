@@ -636,3 +636,52 @@ def test_memory_model_matches_its_definition(seed: int) -> None:
             rng.choice([x for x in LEVERS if x not in OFFLOADED])
         ]
         assert c.raw_memory(levers) == pytest.approx(_raw_memory_by_definition(c, levers))
+
+
+def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
+    """Beyond ``_FULL_SEARCH`` layers the counts of each lever are tried on a stride,
+    then every count near the fastest families (so that 80 layers take seconds, not
+    hours). On random unequal layers it finds a plan as fast as the search of every
+    family (measured when written: 20 of 20 cases of 20 layers equal, 10 seeds and two
+    budgets; with 4 families refined instead of 8, 18 of 20, the worst 1.4 % slower)."""
+    cases = []
+    for seed in range(3):
+        rng = random.Random(seed)
+        L = 20
+        f = [rng.uniform(0.5, 1.5) * 3e-3 for _ in range(L)]
+        c = PlanCosts(
+            forward_s=f,
+            backward_s=[2.2 * x for x in f],
+            saved_bytes=[int(rng.uniform(0.5, 1.5) * 700 * MIB) for _ in range(L)],
+            selective_kept=rng.uniform(0.4, 0.8),
+            checkpoint_kept=rng.uniform(0.02, 0.1),
+            selective_s=[rng.uniform(0.1, 0.3) * x for x in f],
+            checkpoint_s=[rng.uniform(0.8, 1.1) * x for x in f],
+            d2h_bps=rng.uniform(20e9, 60e9),
+            h2d_bps=rng.uniform(20e9, 60e9),
+            workspace_bytes=300 * MIB,
+        )
+        for fraction in (0.3, 0.6):
+            cases.append((c, fraction * c.memory(["keep"] * L)))
+    assert L > _planner._FULL_SEARCH  # the strided search runs
+    strided = [_planner.candidates(c, budget)[0] for c, budget in cases]
+    monkeypatch.setattr(_planner, "_FULL_SEARCH", 1000)
+    full = [_planner.candidates(dataclasses.replace(c), budget)[0] for c, budget in cases]
+    for (c, budget), (t, levers), (want, _) in zip(cases, strided, full):
+        assert c.memory(levers) <= budget
+        assert t <= want * 1.01, (levers, t, want)
+
+
+def test_predictions_are_remembered_not_stored() -> None:
+    """memory() and seconds() remember the plans they were asked about (the search asks
+    again and again); the memo is not part of the costs (to_dict, equality)."""
+    c = _costs(L=4)
+    levers = ["offload", "selective", "checkpoint", "keep"]
+    first = (c.memory(levers), c.seconds(levers))
+    assert (c.memory(tuple(levers)), c.seconds(tuple(levers))) == first
+    assert c.raw_memory(levers) == pytest.approx(
+        c.memory(levers)
+    )  # no measured anchor: the raw prediction
+    again = PlanCosts.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert again == c and (again.memory(levers), again.seconds(levers)) == first
+    assert "_memory_memo" not in c.to_dict()
