@@ -13,6 +13,8 @@
 #   weights   benchmarks/bench_weights.py and examples/weights.py
 #   ckpt      benchmarks/bench_checkpoint.py
 #   hostprof  benchmarks/hostprof.py (cProfile of tiny48 steps, k=0 and all)
+#   traces    benchmarks/trace_layers.py (per-layer CUDA events of a few plans against no
+#             lever) and benchmarks/host_calls.py (host time per call in ref-8L's forward)
 #   codec     benchmarks/bench_codec.py (fp8 quantize / dequantize GB/s, Triton vs eager)
 #   compress  benchmarks/bench_compress_accuracy.py (compress="fp8": gradient error on ref-8L,
 #             char-level GPT loss curves with and without) and its --compress-fp32 ref part
@@ -60,6 +62,10 @@ for part in $parts; do
     auto) timeout 300 python3 benchmarks/bench_auto.py --out "$OUT/bench_auto.json" 2>&1 | tail -30 ;;
     planner) timeout 400 python3 benchmarks/bench_planner.py --out "$OUT/bench_planner.json" \
              2>&1 | tee "$OUT/bench_planner.log" | tail -40 ;;
+    traces) timeout 120 python3 benchmarks/trace_layers.py --out "$OUT/trace_layers.json" \
+             2>&1 | tail -6
+            timeout 120 python3 benchmarks/host_calls.py --out "$OUT/host_calls.json" \
+             2>&1 | grep -E "first layer|pack |d2h" ;;
     hostprof) for sel in 0 all; do timeout 90 python3 benchmarks/hostprof.py \
              --offload-layers $sel --top 22 2>&1 | tee "$OUT/hostprof_$sel.log" | head -34; done ;;
     weights) timeout 240 python3 benchmarks/bench_weights.py --out "$OUT/bench_weights.json" 2>&1 \
