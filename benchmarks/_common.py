@@ -116,7 +116,25 @@ def pinned_bandwidth(
     return result
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+#: One letter per lever of ``offload.plan``, as the benchmarks write plans (``o..Ss...``).
+LEVER_LETTERS = {
+    "keep": ".",
+    "offload": "o",
+    "selective": "s",
+    "checkpoint": "c",
+    "selective_offload": "S",
+    "checkpoint_offload": "C",
+}
+_LEVERS_BY_LETTER = {letter: lever for lever, letter in LEVER_LETTERS.items()}
+
+
+def levers_of(code: str) -> list[str]:
+    """The levers of a plan written with :data:`LEVER_LETTERS` (``"o.S"`` ->
+    ``["offload", "keep", "selective_offload"]``)."""
+    return [_LEVERS_BY_LETTER[c] for c in code]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of ``[start, end)`` intervals."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
@@ -158,11 +176,11 @@ def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> 
     except Exception as exc:  # a profiler without CUPTI, a kineto error: report, go on
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {
-        "d2h_ms": _union_us(spans["d2h"]) / 1e3,
-        "h2d_ms": _union_us(spans["h2d"]) / 1e3,
+        "d2h_ms": union_length(spans["d2h"]) / 1e3,
+        "h2d_ms": union_length(spans["h2d"]) / 1e3,
         "d2h_count": len(spans["d2h"]),
         "h2d_count": len(spans["h2d"]),
-        "codec_ms": _union_us(spans["codec"]) / 1e3,
+        "codec_ms": union_length(spans["codec"]) / 1e3,
         "codec_count": len(spans["codec"]),
     }
 

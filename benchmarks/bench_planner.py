@@ -109,7 +109,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _common import GIB, Timer, environment, median, synchronize, write_json
+from _common import GIB, LEVER_LETTERS, Timer, environment, median, synchronize, write_json
 
 import offload
 from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, optimize
@@ -117,14 +117,6 @@ from offload._reference import ReferenceModel
 from offload.profiling import format_bytes
 
 DTYPE = torch.bfloat16
-LETTER = {
-    "keep": ".",
-    "offload": "o",
-    "selective": "s",
-    "checkpoint": "c",
-    "selective_offload": "S",
-    "checkpoint_offload": "C",
-}
 #: budget name -> (fraction of the no-lever activation peak or None, largest ``x none``)
 BUDGETS: dict[str, tuple[float | None, float | None]] = {
     "75%": (0.75, 1.02),
@@ -265,7 +257,7 @@ def code(levers: Sequence[str]) -> str:
     counts = ", ".join(
         f"{n} {name}" for name in LEVERS if (n := sum(1 for x in levers if x == name))
     )
-    return "".join(LETTER[x] for x in levers) + f" ({counts})"
+    return "".join(LEVER_LETTERS[x] for x in levers) + f" ({counts})"
 
 
 def add_predictions(rows: list[dict[str, Any]], costs: PlanCosts) -> None:

@@ -28,20 +28,12 @@ import time
 from typing import Any
 
 import torch
-from _common import environment, write_json
+from _common import environment, levers_of, write_json
 
 import offload
 from offload import _device, _host_pool, _scheduler, activations
 from offload._reference import ReferenceModel
 
-CODES = {
-    "o": "offload",
-    "S": "selective_offload",
-    "s": "selective",
-    "c": "checkpoint",
-    "C": "checkpoint_offload",
-    ".": "keep",
-}
 TIMED: list[tuple[Any, list[str]]] = [
     (_scheduler.Step, ["pack", "_place", "_copy", "_flush_d2h", "open_group", "close_group"]),
     (_scheduler.Step, ["_release", "finish_forward"]),
@@ -83,7 +75,7 @@ def main() -> None:
     steps, warmup = 5, 3
     result: dict[str, Any] = {}
     for code in ["........", *args.plans.split(",")]:
-        plan = offload.Plan(model.layers, [CODES[c] for c in code]).apply(model)
+        plan = offload.Plan(model.layers, levers_of(code)).apply(model)
         at_layer1 = [0.0]
         hook = model.layers[1].register_forward_pre_hook(
             lambda _m, _a, box=at_layer1: box.__setitem__(0, time.perf_counter())

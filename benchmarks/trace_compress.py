@@ -21,21 +21,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from _common import union_length
 
 import offload
 from offload._reference import ReferenceModel
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
 
 
 def profile_row(model: ReferenceModel, x: torch.Tensor, offloader: Any) -> dict[str, Any]:
@@ -75,9 +64,9 @@ def profile_row(model: ReferenceModel, x: torch.Tensor, offloader: Any) -> dict[
         "codec_ms": sum(codec) / 1e3,
         "streams": {
             k: {
-                "kernel_ms": _union(v["kernel"]) / 1e3,
+                "kernel_ms": union_length(v["kernel"]) / 1e3,
                 "kernels": len(v["kernel"]),
-                "copy_ms": _union(v["copy"]) / 1e3,
+                "copy_ms": union_length(v["copy"]) / 1e3,
                 "copies": len(v["copy"]),
             }
             for k, v in streams.items()

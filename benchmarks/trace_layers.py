@@ -26,24 +26,15 @@ import sys
 from typing import Any
 
 import torch
-from _common import environment, write_json
+from _common import environment, levers_of, write_json
 
 import offload
 from offload._reference import ReferenceModel
 
-CODES = {
-    "o": "offload",
-    "S": "selective_offload",
-    "s": "selective",
-    "c": "checkpoint",
-    "C": "checkpoint_offload",
-    ".": "keep",
-}
-
 
 def marks(model: ReferenceModel, code: str, steps: int) -> dict[str, float]:
     """Median ms from the step's start to each mark, for the plan ``code``."""
-    plan = offload.Plan(model.layers, [CODES[c] for c in code]).apply(model)
+    plan = offload.Plan(model.layers, levers_of(code)).apply(model)
     rows: list[dict[str, float]] = []
     try:
         for i in range(steps + 3):

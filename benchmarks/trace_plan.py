@@ -29,31 +29,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from _common import environment, write_json
+from _common import environment, levers_of, union_length, write_json
 
 import offload
 from offload._reference import ReferenceModel
-
-CODES = {
-    "o": "offload",
-    "S": "selective_offload",
-    "s": "selective",
-    "c": "checkpoint",
-    "C": "checkpoint_offload",
-    ".": "keep",
-}
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
 
 
 def analyse(prof: Any, gaps: int) -> dict[str, Any]:
@@ -74,11 +53,11 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
             copies[kind].append((a, b, 0))
         elif not e.name.startswith("Memset"):
             kernels[e.device_resource_id].append((a, b))
-    compute = max(kernels, key=lambda s: _union(kernels[s]))
+    compute = max(kernels, key=lambda s: union_length(kernels[s]))
     spans = sorted(kernels[compute])
     first = min(a for a, _ in spans)
     last = max(b for _, b in spans)
-    busy = _union(spans)
+    busy = union_length(spans)
     idle: list[tuple[float, float]] = []
     end = spans[0][1]
     for a, b in spans[1:]:
@@ -98,8 +77,8 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
         "compute_busy_ms": busy / 1e3,
         "compute_idle_ms": (last - first - busy) / 1e3,
         "idle_gaps_over_50us_ms": sum(b - a for a, b in idle if b - a > 50) / 1e3,
-        "d2h_busy_ms": _union([(a, b) for a, b, _ in copies.get("d2h", [])]) / 1e3,
-        "h2d_busy_ms": _union([(a, b) for a, b, _ in h2d]) / 1e3,
+        "d2h_busy_ms": union_length([(a, b) for a, b, _ in copies.get("d2h", [])]) / 1e3,
+        "h2d_busy_ms": union_length([(a, b) for a, b, _ in h2d]) / 1e3,
         "largest_gaps": top,
         "slow_runtime_calls": [
             {"at_ms": (a - first) / 1e3, "ms": d / 1e3, "name": n} for a, d, n in sorted(slow_calls)
@@ -123,7 +102,7 @@ def main() -> None:
 
     rows: dict[str, Any] = {}
     for code in args.plans.split(","):
-        levers = [CODES[c] for c in code]
+        levers = levers_of(code)
         torch.cuda.empty_cache()
         plan = offload.Plan(model.layers, levers).apply(model)
         try:
