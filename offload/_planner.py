@@ -61,7 +61,9 @@ resident, so early layers hide their copies best), and the recompute levers are 
 by what they keep (least first), which minimises every backward's peak for layers of
 equal size. For each ``k``, ``o``, ``c`` and checkpoint kind it takes the fewest
 selective layers that fit (a binary search), so it evaluates O(L^3 log L) plans, each
-in O(L). The fastest few of them are then improved by hill climbing (one layer's lever
+in O(L); beyond 16 layers it tries the counts on a stride first and then every count
+near the fastest families found, which keeps the number of plans about that of 16
+layers. The fastest few of them are then improved by hill climbing (one layer's lever
 changed, or two neighbours swapped, while the predicted time drops within the budget),
 which reaches the plans outside that form that mixed layer kinds favour. The tests
 check the result against brute force over every assignment on small models.
@@ -214,11 +216,10 @@ class PlanCosts:
         for name in ("workspace_bytes", "prefetch_bytes", "gap_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be >= 0")
-        # memory() and seconds() of the plans seen (the search and its verification ask
-        # for the same plans again and again): levers tuple -> anchored prediction. Not
-        # fields: to_dict(), equality and repr ignore them.
-        object.__setattr__(self, "_memory_memo", {})
-        object.__setattr__(self, "_seconds_memo", {})
+        # raw_memory() and raw_seconds() of the plans seen, per kind (the search and its
+        # verification ask for the same plans again and again): levers tuple -> value.
+        # Not a field: to_dict(), equality and repr ignore it.
+        object.__setattr__(self, "_memos", {"memory": {}, "seconds": {}})
 
     @property
     def num_layers(self) -> int:
@@ -311,27 +312,23 @@ class PlanCosts:
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
-        key = tuple(levers)
-        memo: dict[tuple[str, ...], float] = self._memory_memo  # type: ignore[attr-defined]
-        got = memo.get(key)
-        if got is None:
-            got = self.raw_memory(key)
-            if self.activation_bytes is not None:
-                got += self.activation_bytes - self.memory_anchor
-            _remember(memo, key, got)
-        return got
+        return self._predicted("memory", self.raw_memory, self.activation_bytes, levers)
 
-    @property
-    def memory_anchor(self) -> float:
-        """``raw_memory`` of the plan without levers (what ``activation_bytes`` measured)."""
-        return self._anchor("memory", self.raw_memory)
-
-    def _anchor(self, name: str, raw: Callable[[Sequence[str]], float]) -> float:
-        value = self.__dict__.get(f"_{name}_anchor")
-        if value is None:
-            value = raw(("keep",) * self.num_layers)
-            object.__setattr__(self, f"_{name}_anchor", value)
-        return value
+    def _predicted(
+        self,
+        kind: str,
+        raw: Callable[[Sequence[str]], float],
+        measured: float | None,
+        levers: Sequence[str],
+    ) -> float:
+        """``raw(levers)``, anchored when ``measured`` (the value without levers) is
+        known: ``measured + raw(levers) - raw(no levers)``. Raw values are remembered
+        per plan (at most :data:`_MEMO_LIMIT` per kind, then forgotten all at once)."""
+        memo: dict[tuple[str, ...], float] = self._memos[kind]  # type: ignore[attr-defined]
+        value = _remembered(memo, tuple(levers), raw)
+        if measured is None:
+            return value
+        return measured + value - _remembered(memo, ("keep",) * self.num_layers, raw)
 
     # ---- time ------------------------------------------------------------------------
 
@@ -356,15 +353,7 @@ class PlanCosts:
 
     def seconds(self, levers: Sequence[str]) -> float:
         """Predicted step seconds, anchored on the measured step without levers."""
-        key = tuple(levers)
-        memo: dict[tuple[str, ...], float] = self._seconds_memo  # type: ignore[attr-defined]
-        got = memo.get(key)
-        if got is None:
-            got = self.raw_seconds(key)
-            if self.step_s is not None:
-                got += self.step_s - self._anchor("seconds", self.raw_seconds)
-            _remember(memo, key, got)
-        return got
+        return self._predicted("seconds", self.raw_seconds, self.step_s, levers)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -374,14 +363,23 @@ class PlanCosts:
         return cls(**data)
 
 
-#: Most predictions a :class:`PlanCosts` remembers per kind (then it forgets them all).
+#: Most raw predictions a :class:`PlanCosts` remembers per kind (then it forgets them
+#: all).
 _MEMO_LIMIT = 200_000
 
 
-def _remember(memo: dict[tuple[str, ...], float], key: tuple[str, ...], value: float) -> None:
-    if len(memo) >= _MEMO_LIMIT:
-        memo.clear()
-    memo[key] = value
+def _remembered(
+    memo: dict[tuple[str, ...], float],
+    key: tuple[str, ...],
+    raw: Callable[[Sequence[str]], float],
+) -> float:
+    """``raw(key)``, from ``memo`` when it is there."""
+    value = memo.get(key)
+    if value is None:
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        value = memo[key] = raw(key)
+    return value
 
 
 def _family(L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint") -> list[str]:
@@ -438,9 +436,9 @@ def candidates(
         # memory does not grow as layers go from kept to selective: take the first count
         # that fits (binary search), the cheapest of this family
         most = _family(L, k, o, c, top, ckpt)
-        if costs.memory(most) > budget_bytes:
+        mem = costs.memory(most)
+        if mem > budget_bytes:
             families[(k, o, c, ckpt)] = float("inf")
-            mem = costs.memory(most)
             if smallest is None or mem < smallest[0]:
                 smallest = (mem, most)
             return

@@ -684,4 +684,4 @@ def test_predictions_are_remembered_not_stored() -> None:
     )  # no measured anchor: the raw prediction
     again = PlanCosts.from_dict(json.loads(json.dumps(c.to_dict())))
     assert again == c and (again.memory(levers), again.seconds(levers)) == first
-    assert "_memory_memo" not in c.to_dict()
+    assert "_memos" not in c.to_dict()
