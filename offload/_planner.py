@@ -6,10 +6,12 @@ Levers (:data:`LEVERS`):
 * ``"keep"``: nothing; the layer's saved activations stay on the device.
 * ``"offload"``: :class:`offload.ActivationOffloader` copies them to host memory
   (compressed with ``compress="fp8"`` when the plan is made with it).
-* ``"selective"``: selective recompute (``torch.utils.checkpoint`` with a policy from
-  ``create_selective_checkpoint_contexts``): the outputs of matrix products and
-  attention are kept, everything else (norms, activations, the gated product, casts)
-  is recomputed in backward.
+* ``"selective"``: selective recompute (``torch.utils.checkpoint`` with a pair of
+  dispatch modes, like PyTorch's ``create_selective_checkpoint_contexts``): the outputs
+  of matrix products and attention are kept, everything else (norms, activations, the
+  gated product, casts) is recomputed in backward. Outputs the recompute never reaches
+  (it stops after the last tensor the backward needs: in a transformer block, the MLP's
+  down projection) are not kept from the layer's second step on (:class:`_Kept`).
 * ``"checkpoint"``: full recompute; only the layer's inputs are kept.
 * ``"checkpoint_offload"``: full recompute whose inputs (all the checkpoint keeps) are
   offloaded: the layer keeps nothing on the device between its forward and its
@@ -18,8 +20,8 @@ Levers (:data:`LEVERS`):
   and attention's outputs) are offloaded like an ``"offload"`` layer's: the recompute
   frees the cheap part, the link carries only what is expensive to recompute. Torch's
   selective checkpointing keeps those outputs where saved-tensor hooks cannot see them,
-  so this lever has its own pair of dispatch modes (:class:`_KeepThroughOffloader`,
-  :class:`_RecomputeFromOffloader`) that hand them to the offloader and take them back.
+  so the selective levers have their own pair of dispatch modes (:class:`_KeepOutputs`,
+  :class:`_RecomputeFromKept`), which here hand them to the offloader and take them back.
   The layer's inputs, which the checkpoint saves through the saved-tensor hooks, travel
   too.
 
@@ -81,7 +83,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import _auto
-from offload._handles import Raw, unpack_hook
+from offload._handles import Kept, Raw, unpack_hook
 from offload._plan import make_plan
 from offload.config import _check_int
 
@@ -597,63 +599,103 @@ def _save_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Selective recompute's policy: keep the outputs of :func:`_save_ops`, recompute
-    the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if op in _SAVE:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 _SAVE = _save_ops()
 
 
-def _selective_context() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+class _Kept:
+    """What the selective levers of one layer keep, and what they have learnt not to.
 
-    return create_selective_checkpoint_contexts(
-        lambda *args, **kwargs: _selective_policy(*args, **kwargs)
-    )
+    A selective layer keeps the outputs of the ops of :func:`_save_ops` (matrix
+    products, attention) at forward, keyed ``(op, n)`` for the ``n``-th call of ``op``
+    in the layer's forward, and its recompute returns them instead of running those
+    ops again. The recompute stops after the last tensor the layer's backward needs
+    (non-reentrant checkpoint's early stop), so an output made after that point (in a
+    transformer block: the MLP's down projection, whose only consumer is the residual
+    add) is never asked for. Each recompute that ends reports the keys it did not use;
+    keys no recompute has used are not kept from the next forward on. The first step
+    of a layer keeps them all (it is the one that learns).
+
+    Invariant: skipping a key changes memory and time, never results. A skipped op that
+    a later recompute does reach (other inputs, other control flow) simply runs again,
+    as under full checkpointing; its key is kept again from then on.
+    """
+
+    __slots__ = ("unused", "used")
+
+    def __init__(self) -> None:
+        self.unused: frozenset[tuple[Any, int]] = frozenset()
+        self.used: set[tuple[Any, int]] = set()
+
+    def learn(self, stored: set[tuple[Any, int]], consumed: set[tuple[Any, int]]) -> None:
+        """One recompute ended: it used ``consumed`` of the ``stored`` keys."""
+        self.used |= consumed
+        self.unused = frozenset((self.unused | stored) - self.used)
 
 
-class _KeepThroughOffloader(TorchDispatchMode):
-    """The forward half of ``selective_offload``: runs every op and hands each tensor
-    output of the kept ops (:func:`_save_ops`) to ``pack`` (the offloader's saved-tensor
-    pack: a copy to the host, released on the offloader's schedule), in call order per
-    op, into ``storage``."""
+class _KeepOutputs(TorchDispatchMode):
+    """The forward half of the selective levers: runs every op and hands each tensor
+    output of the kept ops (:func:`_save_ops`, less the keys ``kept`` learnt are never
+    used) to ``pack`` (``Kept``: stays on the device; or the offloader's
+    ``Step.pack``: a copy to the host, released on its schedule), into ``storage``."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], Any], storage: dict[Any, list]) -> None:
+    def __init__(
+        self, pack: Callable[[torch.Tensor], Any], storage: dict[Any, Any], kept: _Kept
+    ) -> None:
         super().__init__()
         self.pack = pack
         self.storage = storage
+        self.kept = kept
+        self.calls: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _SAVE:
-            if isinstance(out, torch.Tensor):
-                entry: Any = self.pack(out)
-            else:
-                entry = tuple(self.pack(t) if isinstance(t, torch.Tensor) else Raw(t) for t in out)
-            self.storage.setdefault(func, []).append(entry)
+            n = self.calls.get(func, 0)
+            self.calls[func] = n + 1
+            key = (func, n)
+            if key not in self.kept.unused:
+                if isinstance(out, torch.Tensor):
+                    entry: Any = self.pack(out)
+                else:
+                    entry = tuple(
+                        self.pack(t) if isinstance(t, torch.Tensor) else Raw(t) for t in out
+                    )
+                self.storage[key] = entry
         return out
 
 
-class _RecomputeFromOffloader(TorchDispatchMode):
-    """The recompute half of ``selective_offload``: a kept op returns what
-    :class:`_KeepThroughOffloader` stored for its next call (reloaded by the offloader:
-    ``unpack_hook``) instead of running again; every other op runs."""
+class _RecomputeFromKept(TorchDispatchMode):
+    """The recompute half of the selective levers: a kept op returns what
+    :class:`_KeepOutputs` stored for the same call (``unpack_hook``: checked for
+    in-place changes, reloaded by the offloader) instead of running again; every other
+    op runs. When the recompute ends it tells ``kept`` which stored keys it used."""
 
-    def __init__(self, storage: dict[Any, list]) -> None:
+    def __init__(self, storage: dict[Any, Any], kept: _Kept) -> None:
         super().__init__()
         self.storage = storage
+        self.kept = kept
+        self.calls: dict[Any, int] = {}
+        self.consumed: set[tuple[Any, int]] = set()
+        self.stored: set[tuple[Any, int]] = set()
+
+    def __enter__(self) -> _RecomputeFromKept:
+        self.stored = set(self.storage)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.kept.learn(self.stored, self.consumed)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _SAVE:
-            entries = self.storage.get(func)
-            if entries:
-                entry = entries.pop(0)
+            n = self.calls.get(func, 0)
+            self.calls[func] = n + 1
+            key = (func, n)
+            self.consumed.add(key)  # reached: kept from now on, even if skipped so far
+            entry = self.storage.pop(key, None)
+            if entry is not None:
                 if isinstance(entry, tuple):
                     return tuple(unpack_hook(e) for e in entry)
                 return unpack_hook(entry)
@@ -663,15 +705,17 @@ class _RecomputeFromOffloader(TorchDispatchMode):
 class _Recompute:
     """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full
     (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
-    handles, so the inputs the checkpoint saves travel), selective, or selective with the
-    kept tensors offloaded (``offloader``, entered around the forward); installed as the
-    module's instance attribute ``forward`` and removed by :meth:`remove` (which
-    restores what was there before)."""
+    handles, so the inputs the checkpoint saves travel), or selective (``selective``:
+    the kept outputs stay on the device; ``selective_offload``: they go to
+    ``offloader``, entered around the forward) through :class:`_KeepOutputs` and
+    :class:`_RecomputeFromKept`; installed as the module's instance attribute
+    ``forward`` and removed by :meth:`remove` (which restores what was there before)."""
 
     def __init__(self, module: torch.nn.Module, lever: str, offloader: Any = None) -> None:
         self.module = module
         self.lever = lever
         self.offloader = offloader
+        self.kept = _Kept()
         self.had_attr = "forward" in module.__dict__
         self.previous = module.__dict__.get("forward")
         self.inner = module.forward
@@ -683,20 +727,20 @@ class _Recompute:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         extra: dict[str, Any] = {}
-        if self.lever == "selective":
-            extra["context_fn"] = _selective_context
-        elif self.lever == "selective_offload":
-            extra["context_fn"] = self._offload_context
+        if self.lever in ("selective", "selective_offload"):
+            extra["context_fn"] = self._selective_context
         return checkpoint(self.inner, *args, use_reentrant=False, **extra, **kwargs)
 
-    def _offload_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-        """``context_fn`` of ``selective_offload``: a fresh storage per layer call. Outside
-        the offloader's context the kept tensors stay on the device (``Raw``)."""
-        off = self.offloader
-        step = off._step if off is not None else None
-        pack = step.pack if step is not None else Raw
-        storage: dict[Any, list] = {}
-        return _KeepThroughOffloader(pack, storage), _RecomputeFromOffloader(storage)
+    def _selective_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        """``context_fn`` of the selective levers: a fresh storage per layer call. The
+        kept outputs go to the offloader's current step under ``selective_offload``
+        inside its context; otherwise they stay on the device (``Kept``)."""
+        step = None
+        if self.lever == "selective_offload" and self.offloader is not None:
+            step = self.offloader._step
+        pack = step.pack if step is not None else Kept
+        storage: dict[Any, Any] = {}
+        return _KeepOutputs(pack, storage, self.kept), _RecomputeFromKept(storage, self.kept)
 
     def remove(self) -> None:
         if self.module.__dict__.get("forward") is self:

@@ -198,7 +198,7 @@ def test_every_lever_bitwise_on_reference_block(levers) -> None:
     model = _ref_model()
     ref = copy.deepcopy(model)
     p = Plan(model.layers, levers, min_tensor_bytes=0).apply(model)
-    for _ in range(2):
+    for _ in range(3):  # the first step of a selective layer learns (_planner._Kept)
         x = torch.randn(2, 32, 64)
         want = _step(ref, x)
         got = _step(model, x)
@@ -218,35 +218,120 @@ def test_every_lever_bitwise_on_reference_block(levers) -> None:
     _assert_same(_step(ref, x), _step(model, x))
 
 
-def test_selective_policy_keeps_matmuls_and_recomputes_the_rest(monkeypatch) -> None:
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that run (ops a selective layer's recompute takes from its
+    storage never reach it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+#: Matrix products of one reference layer's backward (two per linear: input and weight
+#: gradients); a forward product recomputed in backward adds one.
+_BACKWARD_MM = 8
+_ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+@pytest.mark.parametrize("lever", ["selective", "selective_offload"])
+def test_selective_keeps_products_and_learns_what_the_recompute_never_uses(
+    lever, monkeypatch
+) -> None:
     """What a selective-checkpoint region keeps does not pass through saved-tensor
-    hooks; check the policy's decisions on a real layer instead: the matrix products
-    and attention are kept, norms, activations and products recomputed (the memory it
-    saves is measured on the GPU by benchmarks/bench_planner.py)."""
-    from torch.utils.checkpoint import CheckpointPolicy
+    hooks; check it on a real layer instead. The matrix products and attention are
+    kept (the recompute runs none of them again); norms, activations and products are
+    recomputed; the down projection's output (made after the last tensor the backward
+    needs: the recompute stops before it) is kept on the first step only, which
+    learns that no recompute uses it. Bitwise equal on every step."""
+    packed: list[int] = []
+    real_init = _planner._KeepOutputs.__init__
 
-    decisions: dict[str, set] = {}
-    real = _planner._selective_policy
+    def spy_init(self, pack, storage, kept):
+        def counting(t):
+            packed.append(t.numel())
+            return pack(t)
 
-    def spy(ctx, op, *args, **kwargs):
-        policy = real(ctx, op, *args, **kwargs)
-        if not ctx.is_recompute:
-            decisions.setdefault(str(op), set()).add(policy)
-        return policy
+        real_init(self, counting, storage, kept)
 
-    monkeypatch.setattr(_planner, "_selective_policy", spy)
+    monkeypatch.setattr(_planner._KeepOutputs, "__init__", spy_init)
     model = _ref_model()
-    p = Plan(model.layers, ["selective"] * 4).apply()
+    ref = copy.deepcopy(model)
+    levers = [lever] * 3 + ["keep"]
+    p = Plan(model.layers, levers, min_tensor_bytes=0).apply(model)
     try:
-        model.loss(torch.randn(2, 32, 64)).backward()
+        per_step = []
+        for _ in range(3):
+            packed.clear()
+            x = torch.randn(2, 32, 64)
+            want = _step(ref, x)
+            log = _OpLog()
+            for q in model.parameters():
+                q.grad = None
+            with p:
+                loss = model.loss(x)
+            with log:
+                loss.backward()
+            got = (loss.detach(), [q.grad.clone() for q in model.parameters()])
+            _assert_same(want, got)
+            # the backward runs no product's forward again: all were kept or not reached
+            assert log.ops.count("aten.mm.default") == _BACKWARD_MM * 4
+            assert _ATTENTION not in log.ops
+            assert "aten.silu.default" in log.ops  # recomputed
+            per_step.append(sum(packed))
+        mm = torch.ops.aten.mm.default
+        for w in p._wrappers:
+            assert w.kept.unused == {(mm, 3)}  # qkv, out, gate_up, down: the 4th
+        down_out = 2 * 32 * 64  # batch * seq * hidden elements per layer
+        assert per_step[0] - per_step[1] == 3 * down_out
+        assert per_step[1] == per_step[2] > 0
+        if lever == "selective_offload":
+            stats = p.offloader.stats
+            assert stats.bytes_reloaded == stats.bytes_offloaded > 0
     finally:
         p.remove()
-    kept = {op for op, pol in decisions.items() if CheckpointPolicy.MUST_SAVE in pol}
-    recomputed = {op for op, pol in decisions.items() if CheckpointPolicy.PREFER_RECOMPUTE in pol}
-    assert "aten.mm.default" in kept
-    assert any("scaled_dot_product" in op for op in kept), kept
-    assert "aten.silu.default" in recomputed and "aten.mul.Tensor" in recomputed
-    assert not any("mm" in op.split(".")[1] for op in recomputed), recomputed
+
+
+def test_a_skipped_output_the_recompute_reaches_runs_and_is_kept_again() -> None:
+    """Without early stop the recompute reaches the down projection, which the first
+    step learnt to skip: it runs (results still bitwise) and is kept from then on."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    model = _ref_model()
+    ref = copy.deepcopy(model)
+    p = Plan(model.layers, ["selective"] * 4).apply()
+    mm = torch.ops.aten.mm.default
+    try:
+        _assert_same(_step(ref, x := torch.randn(2, 32, 64)), _step(model, x))
+        assert all(w.kept.unused == {(mm, 3)} for w in p._wrappers)
+        with set_checkpoint_early_stop(False):
+            x = torch.randn(2, 32, 64)
+            want = _step(ref, x)
+            for q in model.parameters():
+                q.grad = None
+            loss = model.loss(x)
+            log = _OpLog()
+            with log:
+                loss.backward()
+            _assert_same(want, (loss.detach(), [q.grad.clone() for q in model.parameters()]))
+        assert log.ops.count("aten.mm.default") == _BACKWARD_MM * 4 + 4  # down, per layer
+        assert _ATTENTION not in log.ops
+        assert all(w.kept.unused == frozenset() for w in p._wrappers)
+    finally:
+        p.remove()
+
+
+def test_kept_learns_only_what_no_recompute_used() -> None:
+    kept = _planner._Kept()
+    kept.learn({("a", 0), ("b", 0)}, {("a", 0)})
+    assert kept.unused == {("b", 0)}
+    kept.learn({("a", 0)}, {("a", 0), ("b", 0)})  # b was skipped, then reached
+    assert kept.unused == frozenset()
+    kept.learn({("a", 0), ("b", 0)}, {("a", 0)})  # once used, always kept
+    assert kept.unused == frozenset()
 
 
 def test_with_plan_enters_the_offloader_without_a_model() -> None:
