@@ -54,8 +54,9 @@ Steps of the run:
    model). The plans for the budgets below are chosen from those costs with
    ``plan.replan(budget, step_fn=step, model=model)``: the measuring happens once, and
    each budget's choice is checked as ``offload.plan(verify=True)`` checks it (the
-   fastest predicted plans applied in turn until one's measured peak fits; the checks
-   are in the JSON).
+   fastest predicted plans applied in turn until one's measured peak fits, then up to
+   three more predicted within 3 % of it measured, and the fastest measured that fits
+   kept; every check is in the JSON and printed).
 3. For each budget: 75%, 50%, 25% of ``costs.activation_bytes`` (the planner's own
    measured activation peak without levers), and ``act peak`` of ``checkpoint 8``
    (checkpoint every layer) from step 1: the chosen plan is applied and measured.
@@ -639,9 +640,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         }
         try:
             if device.type == "cuda":  # as offload.plan(verify=True) chooses
-                chosen = base.replan(int(limit), step_fn=step, model=model)
+                chosen = base.replan(int(limit), step_fn=step, model=model, steps=args.plan_steps)
                 levers = chosen.levers
                 row["checks"] = chosen.measured.get("checks", [])
+                for ch in row["checks"]:
+                    print(
+                        f"  {name} checked {code(ch['levers'])}: predicted "
+                        f"{ch['predicted_seconds'] * 1e3:.1f} ms, measured "
+                        f"{ch['measured_seconds'] * 1e3:.1f} ms, "
+                        f"{ch['measured_bytes'] / 2**30:.2f} GiB"
+                        f"{'' if ch['fits'] else ' (over)'}{' rival' if ch['rival'] else ''}",
+                        file=sys.stderr,
+                    )
             else:
                 levers = optimize(costs, limit, args.allowed)
         except ValueError as exc:

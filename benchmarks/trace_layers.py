@@ -8,7 +8,8 @@ Command (one GPU, about 20 s)::
 Model: ref-8L (``ReferenceModel(8, 4096, 32, 14336)``, bf16, seed 0); a step is
 ``model.loss(x).backward()`` on a fresh ``x``. Each plan is a string of lever codes
 (``o`` offload, ``S`` selective_offload, ``s`` selective, ``c`` checkpoint, ``C``
-checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan`; ``........`` (no
+checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan`, each after
+``gc.collect()`` and ``torch.cuda.empty_cache()``; ``........`` (no
 lever) is always measured first, as the reference. Per step, CUDA events are recorded on
 the compute stream at the step's start, at each layer's forward pre-hook (``f<i>``),
 when the gradient of each layer's output arrives (``b<i>``: that layer's backward
@@ -21,6 +22,7 @@ time appears (a mark's delta grows across a layer: that layer took longer).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from typing import Any
@@ -34,6 +36,8 @@ from offload._reference import ReferenceModel
 
 def marks(model: ReferenceModel, code: str, steps: int) -> dict[str, float]:
     """Median ms from the step's start to each mark, for the plan ``code``."""
+    gc.collect()  # each plan starts from the same allocator state
+    torch.cuda.empty_cache()
     plan = offload.Plan(model.layers, levers_of(code)).apply(model)
     rows: list[dict[str, float]] = []
     try:

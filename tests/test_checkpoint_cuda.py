@@ -218,8 +218,9 @@ def test_no_host_sync_and_no_new_pinned_memory_in_steady_state() -> None:
             steps(off.checkpoint)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    else:  # this torch synchronizes in its own checkpoint: we must add none
-        assert _count_syncs(lambda: steps(off.checkpoint)) == control
+    else:  # this torch synchronizes in its own checkpoint: we must add none (its count
+        # can vary with what ran before in the process: 1 after the planner's tests)
+        assert _count_syncs(lambda: steps(off.checkpoint)) <= control
     torch.cuda.synchronize()
     after = torch.cuda.host_memory_stats()
     for key in before:

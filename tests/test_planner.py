@@ -450,6 +450,7 @@ def test_cli_plan_flags(capsys) -> None:
 def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeypatch) -> None:
     """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
     applied and measured; one whose measured peak exceeds the budget is passed over."""
+    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _planner.candidates(c, budget)
@@ -485,6 +486,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     fails, the plan tried next is the fastest predicted to fit with that much room (not
     the next of the first ranking, which may sit just as close to the budget), and it
     fits."""
+    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
     c = _costs(L=5, bps=1e15)
     budget = c.memory(["keep"] * 5) * 0.45
     error = 0.1 * budget
@@ -515,6 +517,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
 def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     """An error so large that no plan is predicted to fit with room for it (one plan's
     error, not every plan's): the next plan tried is the next of the first ranking."""
+    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _planner.candidates(c, budget)
@@ -525,6 +528,55 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert got.levers == ranked[1][1]
     assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
+
+
+def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
+    """After a plan fits, the next plans predicted within VERIFY_CLOSE of it are
+    measured too; the fastest measured that fits is kept (by at least VERIFY_GAIN), a
+    faster one over the budget is not, and plans predicted further away are not
+    measured at all."""
+    c = _costs(L=6, bps=20e9)
+    budget = c.memory(["keep"] * 6) * 0.55
+    ranked = _planner.candidates(c, budget)
+    close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + _planner.VERIFY_CLOSE)]
+    assert len(close) >= 3, ranked[:5]  # the test needs three rivals
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
+    base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
+    tried: list[list[str]] = []
+    apply = Plan.apply
+
+    def recording_apply(self, model=None):
+        tried.append(list(self.levers))
+        return apply(self, model)
+
+    # the model's choice 1.0 s; rival 1: 20 % faster but over the budget; rival 2:
+    # 10 % faster; rival 3: faster than rival 2 by less than VERIFY_GAIN
+    measured = iter(
+        [(1.0, budget * 0.9), (0.8, budget * 1.1), (0.9, budget * 0.9), (0.899, budget * 0.5)]
+    )
+
+    def fake_run(step_fn, steps, warmup):
+        assert steps == 3
+        seconds, peak = next(measured)
+        return {"seconds": seconds, "peak_bytes": peak}
+
+    monkeypatch.setattr(_planner, "_run", fake_run)
+    monkeypatch.setattr(Plan, "apply", recording_apply)
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert tried == [ranked[0][1], *close[:3]]
+    assert got.levers == close[1]
+    checks = got.measured["checks"]
+    assert [ch["rival"] for ch in checks] == [False, True, True, True]
+    assert [ch["fits"] for ch in checks] == [True, False, True, True]
+    # nothing predicted close: only the model's choice is measured
+    tried.clear()
+    monkeypatch.setattr(_planner, "VERIFY_CLOSE", 0.0)
+    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 0.0})
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert all(t > ranked[0][0] for t, _ in ranked[1:])  # no tie either
+    assert tried == [ranked[0][1]] and got.levers == ranked[0][1]
+    with pytest.raises(ValueError, match="steps"):
+        base.replan(int(budget), step_fn=lambda: None, model=layers, steps=0)
 
 
 def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
@@ -579,7 +631,9 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     assert chosen.budget_bytes == 500.0 and chosen.costs.activation_bytes == 1000
     assert chosen.predicted_bytes <= chosen.budget_bytes
     checks = chosen.measured["checks"]
-    assert checks and checks[-1]["fits"] and checks[-1]["levers"] == chosen.levers
+    # each later measurement is slower (fake_run): the first plan that fits is kept
+    fit = next(ch for ch in checks if ch["fits"])
+    assert not fit["rival"] and fit["levers"] == chosen.levers
     assert not any("forward" in layer.__dict__ for layer in model.layers)  # trials removed
     chosen.apply(model)
     try:
