@@ -712,11 +712,13 @@ class _Recompute:
     :class:`_RecomputeFromKept`; installed as the module's instance attribute
     ``forward`` and removed by :meth:`remove` (which restores what was there before)."""
 
-    def __init__(self, module: torch.nn.Module, lever: str, offloader: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, lever: str, offloader: Any = None, kept: _Kept | None = None
+    ) -> None:
         self.module = module
         self.lever = lever
         self.offloader = offloader
-        self.kept = _Kept()
+        self.kept = kept if kept is not None else _Kept()
         self.had_attr = "forward" in module.__dict__
         self.previous = module.__dict__.get("forward")
         self.inner = module.forward
@@ -818,6 +820,11 @@ class Plan:
         self._wrappers: list[_Recompute] = []
         self._offloader: Any = None
         self._handle: Any = None
+        #: per layer, what its selective recompute was seen to use (``_Kept``), learnt
+        #: by :func:`plan`'s measuring steps and handed to the selective wrappers of
+        #: every plan made from them, so that their first step keeps no more than the
+        #: next ones; ``None`` for a plan made by hand (its first step learns)
+        self._learnt: list[_Kept] | None = None
 
     @classmethod
     def from_levers(
@@ -869,7 +876,7 @@ class Plan:
         allowed = self.measured.get("levers", LEVERS)
 
         def make(levers: list[str]) -> Plan:
-            return Plan(
+            made = Plan(
                 self.layers,
                 levers,
                 costs=c,
@@ -878,6 +885,8 @@ class Plan:
                 min_tensor_bytes=self.min_tensor_bytes,
                 measured=dict(self.measured),
             )
+            made._learnt = self._learnt
+            return made
 
         _check_int("steps", steps, minimum=1)
         levers, checks = _verified(c, limit, allowed, make, step_fn, model, steps)
@@ -925,9 +934,10 @@ class Plan:
                     compress=self.compress,
                     min_tensor_bytes=self.min_tensor_bytes,
                 )
-            for layer, lever in zip(self.layers, self.levers):
+            for i, (layer, lever) in enumerate(zip(self.layers, self.levers)):
                 if lever in RECOMPUTED:
-                    self._wrappers.append(_Recompute(layer, lever, self._offloader))
+                    kept = self._learnt[i] if self._learnt is not None else None
+                    self._wrappers.append(_Recompute(layer, lever, self._offloader, kept))
             if self._offloader is not None and model is not None:
                 self._handle = self._offloader.attach(model)
         except BaseException:
@@ -1390,6 +1400,7 @@ def plan(
         if moved and compress is not None:
             ratio = sent / moved
             link = [int(s * ratio) for s in saved]
+    learnt: list[_Kept] | None = None
     for lever in ("selective", "checkpoint"):
         if lever in allowed or f"{lever}_offload" in allowed:
             wrappers = [_Recompute(layer, lever) for layer in layers]
@@ -1398,6 +1409,8 @@ def plan(
             finally:
                 for w in reversed(wrappers):
                     w.remove()
+            if lever == "selective":
+                learnt = [w.kept for w in wrappers]
 
     workspace = max(0.0, base_m - sum(saved))
 
@@ -1445,4 +1458,5 @@ def plan(
         min_tensor_bytes=min_tensor_bytes,
         measured={"configs": configs, "fitted": fitted, "levers": list(allowed)},
     )
+    measured._learnt = learnt
     return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)

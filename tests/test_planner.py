@@ -631,6 +631,10 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     assert chosen.budget_bytes == 500.0 and chosen.costs.activation_bytes == 1000
     assert chosen.predicted_bytes <= chosen.budget_bytes
     checks = chosen.measured["checks"]
+    # what the selective configuration's recompute never used is known before the
+    # chosen plan's first step (the down projection, the 4th product of each layer)
+    mm = torch.ops.aten.mm.default
+    assert chosen._learnt is not None and all(k.unused == {(mm, 3)} for k in chosen._learnt)
     # each later measurement is slower (fake_run): the first plan that fits is kept
     fit = next(ch for ch in checks if ch["fits"])
     assert not fit["rival"] and fit["levers"] == chosen.levers
