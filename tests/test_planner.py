@@ -472,9 +472,9 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
         int(budget), step_fn=lambda: calls.append(1), model=torch.nn.Sequential(*layers)
     )
     # the first plan measured 5 % of the budget above it: the next one tried is the
-    # fastest predicted to fit with that much room
+    # fastest predicted to fit with half that much room (the first retry's)
     error = budget * 1.05 - c.memory(ranked[0][1])
-    want = [lv for _, lv in _planner.candidates(c, int(budget) - error) if lv != ranked[0][1]]
+    want = [lv for _, lv in _planner.candidates(c, int(budget) - error / 2) if lv != ranked[0][1]]
     assert got.levers == want[0]
     checks = got.measured["checks"]
     assert [ch["fits"] for ch in checks] == [False, True] and len(calls) == 2
@@ -486,9 +486,9 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
 
 def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     """Every plan measures 10 % of the budget above its prediction: after the first
-    fails, the plan tried next is the fastest predicted to fit with that much room (not
-    the next of the first ranking, which may sit just as close to the budget), and it
-    fits."""
+    fails, the plan tried next is the fastest predicted to fit with half that much room
+    (not the next of the first ranking, which may sit just as close to the budget);
+    after a second miss, with all of it, and that one fits."""
     monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
     c = _costs(L=5, bps=1e15)
     budget = c.memory(["keep"] * 5) * 0.45
@@ -510,11 +510,14 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert c.memory(ranked[0][1]) + error > budget  # the first choice fails
-    assert tried[0] == ranked[0][1] and len(tried) == 2
+    assert tried[0] == ranked[0][1]
+    half = [lv for _, lv in _planner.candidates(c, int(budget) - error / 2)]
+    assert tried[1] == next(lv for lv in half if lv != tried[0])
     room = [lv for _, lv in _planner.candidates(c, int(budget) - error)]
-    assert got.levers == tried[1] == room[0]
+    assert got.levers == tried[-1] and got.levers in room and len(tried) <= 3
     assert c.memory(got.levers) + error <= budget
-    assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
+    fits = [ch["fits"] for ch in got.measured["checks"]]
+    assert fits == [False] * (len(tried) - 1) + [True]
 
 
 def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
