@@ -7,6 +7,7 @@ when they run as ``python3 benchmarks/<script>.py``).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -233,3 +234,11 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def free_cached(device: torch.device) -> None:
+    """Collect garbage and give the caching allocator's unused blocks back, so that the
+    next configuration measured starts from the same device state (gradients stay)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

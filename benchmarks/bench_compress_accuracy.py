@@ -121,7 +121,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import inspect
 import json
@@ -138,7 +137,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Timer, environment, synchronize, write_json
+from _common import Timer, environment, free_cached, synchronize, write_json
 from torch import nn
 
 import offload
@@ -1063,11 +1062,11 @@ def run_part(
         print(f"  {name}: strict determinism refused an operation; again with warn_only=True")
         result["determinism"]["fallbacks"].append({"part": name, "error": str(exc)[:2000]})
         set_determinism("warn")
-        gc_device(args.device)
+        free_cached(args.device)
         result[name] = part(args, args.device)
     result[name]["determinism"] = determinism_state()
     result["seconds"][name] = time.perf_counter() - t0
-    gc_device(args.device)
+    free_cached(args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -1130,13 +1129,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_json(args.out, result)
     seconds = result["seconds"]
     print(f"wrote {args.out} ({', '.join(f'{k} {v:.1f} s' for k, v in seconds.items())})")
-
-
-def gc_device(device: torch.device) -> None:
-    """Return cached device blocks between the parts."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ Columns of the targets table:
 Last, ``no lever`` and ``checkpoint 8`` are measured again (JSON ``none_again``,
 ``checkpoint_again``), to show how far the device's speed drifted during the run
 (printed as ``drift``). Every configuration, single lever or plan, is measured from the
-same state: garbage collected and the caching allocator emptied first (``free``).
+same state: garbage collected and the caching allocator emptied first
+(``_common.free_cached``).
 
 ``--levers all`` lets ``offload.plan`` use every lever (``LEVERS``); the default is
 ``DEFAULT_LEVERS``, as ``offload.plan``'s.
@@ -103,14 +104,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _common import GIB, LEVER_LETTERS, Timer, environment, median, synchronize, write_json
+from _common import (
+    GIB,
+    LEVER_LETTERS,
+    Timer,
+    environment,
+    free_cached,
+    median,
+    synchronize,
+    write_json,
+)
 
 import offload
 from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, optimize
@@ -177,13 +186,6 @@ def measure(
     }
 
 
-def free(device: torch.device) -> None:
-    """Drop what the last configuration left in the caching allocator (gradients stay)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure_levers(
     model: ReferenceModel,
     levers: Sequence[str] | Plan,
@@ -196,14 +198,14 @@ def measure_levers(
         levers = Plan(
             model.layers, levers, compress=args.compress, min_tensor_bytes=args.min_tensor_bytes
         )
-    free(args.device)  # every row starts from the same state, whatever ran before it
+    free_cached(args.device)  # every row starts from the same state, whatever ran before it
     p = levers.apply(model)
     try:
         row = measure(step, args.device, args.steps, args.warmup)
         row["bytes_d2h"] = p.offloader.stats.bytes_offloaded if p.offloader is not None else 0
     finally:
         p.remove()
-    free(args.device)
+    free_cached(args.device)
     return row
 
 
@@ -607,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         source = "synthetic PlanCosts (CPU)"
     wall = time.perf_counter() - start
-    free(device)
+    free_cached(device)
     costs = base.costs
     assert costs is not None
     reference = costs.activation_bytes

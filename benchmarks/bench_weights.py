@@ -65,14 +65,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import GIB, Timer, environment, median, pinned_bandwidth, synchronize, write_json
+from _common import (
+    GIB,
+    Timer,
+    environment,
+    free_cached,
+    median,
+    pinned_bandwidth,
+    synchronize,
+    write_json,
+)
 from torch import nn
 
 import offload
@@ -397,9 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rows.append(row)
             off.close()
         del layers, inputs
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_cached(device)
     for row in rows:
         row.pop("output", None)
     result["rows"] = rows

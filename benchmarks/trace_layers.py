@@ -22,13 +22,12 @@ time appears (a mark's delta grows across a layer: that layer took longer).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 from typing import Any
 
 import torch
-from _common import environment, levers_of, write_json
+from _common import environment, free_cached, levers_of, write_json
 
 import offload
 from offload._reference import ReferenceModel
@@ -36,8 +35,7 @@ from offload._reference import ReferenceModel
 
 def marks(model: ReferenceModel, code: str, steps: int) -> dict[str, float]:
     """Median ms from the step's start to each mark, for the plan ``code``."""
-    gc.collect()  # each plan starts from the same allocator state
-    torch.cuda.empty_cache()
+    free_cached(torch.device("cuda"))  # each plan starts from the same allocator state
     plan = offload.Plan(model.layers, levers_of(code)).apply(model)
     rows: list[dict[str, float]] = []
     try:
