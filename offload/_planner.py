@@ -627,10 +627,20 @@ class _Kept:
         self.unused: frozenset[tuple[Any, int]] = frozenset()
         self.used: set[tuple[Any, int]] = set()
 
-    def learn(self, stored: set[tuple[Any, int]], consumed: set[tuple[Any, int]]) -> None:
-        """One recompute ended: it used ``consumed`` of the ``stored`` keys."""
+    def learn(self, left: set[tuple[Any, int]], consumed: set[tuple[Any, int]]) -> None:
+        """One recompute ended: it reached the keys ``consumed`` and left the stored
+        keys ``left`` untouched."""
         self.used |= consumed
-        self.unused = frozenset((self.unused | stored) - self.used)
+        self.unused = frozenset((self.unused | left) - self.used)
+
+
+def _call_key(calls: dict[Any, int], func: Any) -> tuple[Any, int]:
+    """``(func, n)`` for the ``n``-th call of ``func`` counted in ``calls``: the key both
+    halves of the selective levers give the same call (forward and recompute run the
+    same ops in the same order)."""
+    n = calls.get(func, 0)
+    calls[func] = n + 1
+    return (func, n)
 
 
 class _KeepOutputs(TorchDispatchMode):
@@ -651,9 +661,7 @@ class _KeepOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _SAVE:
-            n = self.calls.get(func, 0)
-            self.calls[func] = n + 1
-            key = (func, n)
+            key = _call_key(self.calls, func)
             if key not in self.kept.unused:
                 if isinstance(out, torch.Tensor):
                     entry: Any = self.pack(out)
@@ -677,23 +685,16 @@ class _RecomputeFromKept(TorchDispatchMode):
         self.kept = kept
         self.calls: dict[Any, int] = {}
         self.consumed: set[tuple[Any, int]] = set()
-        self.stored: set[tuple[Any, int]] = set()
-
-    def __enter__(self) -> _RecomputeFromKept:
-        self.stored = set(self.storage)
-        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
-        finally:
-            self.kept.learn(self.stored, self.consumed)
+        finally:  # what is still stored was never asked for
+            self.kept.learn(set(self.storage), self.consumed)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _SAVE:
-            n = self.calls.get(func, 0)
-            self.calls[func] = n + 1
-            key = (func, n)
+            key = _call_key(self.calls, func)
             self.consumed.add(key)  # reached: kept from now on, even if skipped so far
             entry = self.storage.pop(key, None)
             if entry is not None:
