@@ -100,9 +100,17 @@ class Backend:
     def current_stream(self) -> Any:
         return None
 
-    def d2h(self, pairs: Copies, fence: Any, times: Times | None = None) -> None:
+    def d2h(
+        self,
+        pairs: Copies,
+        fence: Any,
+        times: Times | None = None,
+        transient: list[torch.Tensor] | None = None,
+    ) -> None:
         """Copy each device ``src`` into its host ``dst``, after the work that produced
-        them (everything queued so far on the current stream)."""
+        them (everything queued so far on the current stream). ``transient``: sources
+        the caller drops after the call (flat copies of gathered tensors); their memory
+        is not reused before their copies have read them."""
         start = time.perf_counter() if times is not None else 0.0
         if not _copy_exact(pairs):
             for src, dst, codec in pairs:
@@ -287,7 +295,13 @@ class CudaBackend(Backend):
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def d2h(self, pairs: Copies, fence: Any, times: Times | None = None) -> None:
+    def d2h(
+        self,
+        pairs: Copies,
+        fence: Any,
+        times: Times | None = None,
+        transient: list[torch.Tensor] | None = None,
+    ) -> None:
         compute = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
         # 4.1(a): the copies start only after everything queued so far on the producing
@@ -327,6 +341,11 @@ class CudaBackend(Backend):
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
+            if transient:
+                # allocated on the compute stream and dropped by the caller: the
+                # allocator reuses their blocks only after the copies queued here
+                for t in transient:
+                    t.record_stream(stream)
         finally:
             torch.cuda.set_stream(compute)
 

@@ -11,6 +11,8 @@ Handle kinds, cheapest first:
   autograd stops doing so once saved-tensor hooks are installed.
 * :class:`Offloaded` -- bytes on the host (or on their way); its unpack reloads them if
   the schedule has not, and its death returns the host block (Note [release order], 7).
+* :class:`Gathered` -- an :class:`Offloaded` small tensor whose bytes share one host
+  block and one copy each way with the other small tensors of its layer call.
 * :class:`Pending` -- saved between two layer calls; it becomes one of the above when
   the next group opens (or is kept when the forward ends).
 * :class:`Held` -- manual mode (``get_cpu_offload_context(manual_synchronization=
@@ -29,10 +31,11 @@ import torch
 from offload import _packing
 
 if TYPE_CHECKING:
-    from offload._scheduler import Step, _Copy, _Group
+    from offload._scheduler import Step, _Copy, _Group, _Member
 
 __all__ = [
     "Held",
+    "Gathered",
     "Kept",
     "Offloaded",
     "PackedQuantized",
@@ -105,6 +108,53 @@ class Offloaded:
             # does to the tensor's metadata must not reach the copy)
             return buffer.detach()
         return _packing.rebuild_view(buffer, self.dtype, self.size, self.stride, self.offset)
+
+    def __del__(self) -> None:
+        self.step.handle_died(self.copy, self.group)
+
+
+class Gathered:
+    """A small contiguous tensor whose bytes travelled in a bucket: one host block, one
+    D2H and one H2D copy shared by the small tensors of one dtype saved together in a
+    layer call (Note [release order], 1(b)). ``copy`` is the bucket, ``offset`` the
+    tensor's first element in it (in elements of its dtype, the bucket's), and
+    ``member`` its entry (``_scheduler._Member``), where its release records an in-place
+    change.
+
+    Hot path: once the bucket is reloaded and waited for (step 5 done), unpacking is
+    one view of the reload buffer, read without the lock (a buffer dropped by another
+    thread meanwhile stays valid: the view holds its storage)."""
+
+    __slots__ = ("step", "group", "copy", "size", "stride", "offset", "member")
+
+    def __init__(
+        self,
+        step: Step,
+        group: _Group,
+        copy: _Copy,
+        size: torch.Size,
+        stride: tuple[int, ...],
+        offset: int,
+        member: _Member,
+    ):
+        self.step = step
+        self.group = group
+        self.copy = copy
+        self.size = size
+        self.stride = stride
+        self.offset = offset
+        self.member = member
+
+    def unpack(self) -> torch.Tensor:
+        poison = self.member.poison
+        if poison is not None:
+            raise RuntimeError(poison)
+        copy = self.copy
+        buffer = copy.buffer
+        if buffer is None or not copy.waited:
+            buffer = self.step.reloaded_buffer(self)  # type: ignore[arg-type]
+        # a fresh view of the reloaded bucket, never the bucket itself
+        return buffer.as_strided(self.size, self.stride, self.offset)
 
     def __del__(self) -> None:
         self.step.handle_died(self.copy, self.group)

@@ -230,6 +230,52 @@ class HostPool:
         self.reserved_bytes += size
         return slab
 
+    def extend(self, block: HostBlock, length: int) -> bool:
+        """Grow ``block`` in place to ``length`` requested bytes when the bytes right
+        after it are free and the budget allows (a filling bucket of small tensors);
+        returns whether it did. The block's start does not move, so views of its
+        first bytes stay valid."""
+        nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN
+        extra = nbytes - block.nbytes
+        with self._lock:
+            if extra > 0:
+                slab: _Slab = block.slab  # type: ignore[assignment]
+                end = block.start + block.nbytes
+                starts, sizes = slab.starts, slab.sizes
+                i = bisect.bisect_left(starts, end)
+                if i == len(starts) or starts[i] != end or sizes[i] < extra:
+                    return False
+                if sizes[i] == extra:
+                    del starts[i]
+                    del sizes[i]
+                else:
+                    starts[i] = end + extra
+                    sizes[i] -= extra
+                slab.used += extra
+                in_use = self.in_use_bytes = self.in_use_bytes + extra
+                if in_use > self.peak_bytes:
+                    self.peak_bytes = in_use
+                block.nbytes = nbytes
+            block.length = max(length, block.length)
+            block._tensor = None
+            return True
+
+    def trim(self, block: HostBlock, length: int) -> None:
+        """Shrink ``block`` to ``length`` requested bytes (at most its own), giving its
+        aligned tail back to its slab: a block reserved for a filling bucket of small
+        tensors (the activation offloader's gathered copies) keeps what it used."""
+        nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN
+        tail = block.nbytes - nbytes
+        with self._lock:
+            if tail > 0:
+                slab: _Slab = block.slab  # type: ignore[assignment]
+                slab.give(block.start + nbytes, tail)
+                slab.used -= tail
+                self.in_use_bytes -= tail
+                block.nbytes = nbytes
+            block.length = min(length, block.length)
+            block._tensor = None
+
     def free(self, block: HostBlock) -> None:
         """Return ``block`` to its slab; the caller guarantees no copy still reads it."""
         nbytes = block.nbytes

@@ -136,12 +136,14 @@ import weakref
 from typing import Any
 
 import torch
+from torch._utils import _flatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import _compress, _device, _packing, _placement, _timing
-from offload._buffers import ReloadBuffers
+from offload._buffers import ReloadBuffers, _storage_use_count
 from offload._device import Backend, backend_for
 from offload._handles import (
+    Gathered,
     Held,
     Kept,
     Offloaded,
@@ -199,6 +201,18 @@ _D2H_BATCH = 8
 #: few tensors: the matmul outputs of a ``selective_offload`` layer) starts late and
 #: leaves the link idle meanwhile.
 _D2H_EAGER_BYTES = 16 << 20
+#: Gathered copies (Note [release order], 1(b)): a contiguous tensor that fills its own
+#: storage and has at most this many bytes joins its layer call's bucket of its dtype
+#: instead of getting a host block and a copy each way of its own. Below about a MiB a
+#: tensor's link time (19 us at 55 GB/s) is no more than the host time of a copy of its
+#: own (allocating, issuing and later reloading it), which then paces small layers.
+_GATHER_MAX_BYTES = 1 << 20
+#: ... and a bucket holds at most this many bytes (the flat device copy that carries it
+#: exists from its seal until its D2H copy has read it). Its host block is reserved at
+#: ``_GATHER_FIRST_BYTES`` (or its first member's size) when it opens, doubled in place
+#: while the bytes after it are free, and trimmed to what it used when sealed.
+_GATHER_BUCKET_BYTES = 8 << 20
+_GATHER_FIRST_BYTES = 256 << 10
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -266,6 +280,8 @@ class _Copy:
         "codec",
         "spec",
         "host_view",
+        "sources",
+        "fill",
     )
 
     def __init__(
@@ -276,7 +292,7 @@ class _Copy:
         version: int,
         host: HostBlock,
         codec: torch.dtype | None,
-        storage: torch.UntypedStorage,
+        storage: torch.UntypedStorage | None,
         storage_nbytes: int,
     ):
         self.owner = owner
@@ -292,7 +308,8 @@ class _Copy:
         self.holders = 0  # groups that have not yet dropped the reloaded buffer
         self.users = 0  # groups whose handles point at this copy
         self.poison: str | None = None
-        self.ref = StorageWeakRef(storage)  # the device storage, while it lives
+        #: the device storage, while it lives (None for a bucket: its members have theirs)
+        self.ref = None if storage is None else StorageWeakRef(storage)
         self.storage_nbytes = storage_nbytes
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
         #: packed form of offload/_compress.py); None: the span's bytes, exactly
@@ -307,6 +324,32 @@ class _Copy:
         #: ``length`` bytes (``uint8``); a view the pool caches (``HostBlock.typed``).
         #: None once the block is returned.
         self.host_view: torch.Tensor | None = None
+        #: a bucket being filled (Note [release order], 1(b)): the device tensors of its
+        #: members, in order, until it is sealed (then None); ``fill``: its elements
+        self.sources: list[torch.Tensor] | None = None
+        self.fill = 0
+
+
+class _Member:
+    """One small tensor's place in a bucket (Note [release order], 1(b)), listed in
+    ``Step.storages`` under its device storage like a :class:`_Copy`, so that saving the
+    same storage again finds it. Until its group's release the group holds the storage
+    (``ref`` is ``None``); the release sets ``ref`` for a storage that lives on, and
+    ``version`` to -1 (never matched) for one it frees."""
+
+    __slots__ = ("owner", "version", "bucket", "offset", "dtype", "ref", "poison", "nbytes")
+
+    def __init__(
+        self, owner: int, version: int, bucket: _Copy, offset: int, dtype: torch.dtype, nbytes: int
+    ):
+        self.owner = owner
+        self.version = version
+        self.bucket = bucket
+        self.offset = offset  # first element in the bucket
+        self.dtype = dtype
+        self.ref: StorageWeakRef | None = None
+        self.poison: str | None = None
+        self.nbytes = nbytes
 
 
 class _Group:
@@ -342,7 +385,7 @@ class _Group:
         self.offload = offload
         self.stream = stream  # the compute stream current when the layer ran
         self.copies: dict[int, _Copy] = {}  # id -> copy, also copies made by other groups
-        self.device_refs: list[tuple[torch.Tensor, int, _Copy]] = []
+        self.device_refs: list[tuple[torch.Tensor, int, _Copy | _Member]] = []
         self.d2h_done: Any = None
         self.released = False
         self.reloaded = False
@@ -454,7 +497,11 @@ class Step:
         self.forward_done = False
         self.aborted = False
         self.backward_done = False
-        self.storages: dict[int, list[_Copy]] = {}
+        self.storages: dict[int, list[_Copy | _Member]] = {}
+        #: dtype -> the bucket of the open group being filled (Note [release order],
+        #: 1(b)); every bucket of the step, for abort()
+        self.buckets: dict[torch.dtype, _Copy] = {}
+        self.all_buckets: list[_Copy] = []
         self.stats = OffloadStats()
         self.outside = dict.fromkeys(KEEP_REASONS, 0)  # kept bytes saved outside groups
         self.device: torch.device | None = None
@@ -469,6 +516,9 @@ class Step:
         #: D2H copies not issued yet (Note [release order], 1): issued in small batches
         #: (one stream switch and one wait per batch) and always before a group closes
         self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
+        #: sources in the queue that nothing else holds (sealed buckets' flat copies):
+        #: the backend keeps each until its copy has read it
+        self.d2h_transient: list[torch.Tensor] = []
         self.compress = self.cfg.compress is not None
         #: the config's, read for every saved tensor (the config is frozen)
         self.tensor_filter = self.cfg.tensor_filter
@@ -620,6 +670,8 @@ class Step:
             self.backward_done = True
             self.pending = []
             self.d2h_queue = []  # never issued: their host blocks are freed below
+            self.d2h_transient = []
+            self.buckets = {}
             if self.backend is not None and any(g.device_refs for g in self.groups):
                 done = self.backend.record_d2h()
                 for group in self.groups:
@@ -628,14 +680,18 @@ class Step:
             for group in self.groups:
                 group.device_refs.clear()
                 group.released = True
-            for copies in self.storages.values():
+            for copies in [*self.storages.values(), self.all_buckets]:
                 for copy in copies:
+                    if type(copy) is _Member:
+                        continue  # its bucket is in all_buckets
                     if copy.host is not None:
                         self.rt.pool.free(copy.host)
                         copy.host = None
                         copy.host_view = None
+                    copy.sources = None
                     copy.buffer = None
             self.storages.clear()
+            self.all_buckets.clear()
             self.buffers.clear()
         self.remove_hooks()
 
@@ -807,13 +863,32 @@ class Step:
         key = storage._cdata
         copies = self.storages.get(key)
         copy = None
+        dtype = t.dtype
         if copies is not None:
             itemsize = t.element_size()
             for c in copies:
+                if c.version != version:
+                    continue
+                if type(c) is _Member:
+                    # the member is its whole storage: any tensor of its dtype on that
+                    # storage is a view of its place in the bucket
+                    ref = c.ref
+                    if (
+                        c.dtype is dtype
+                        and c.bucket.host is not None
+                        and (ref is None or not ref.expired())
+                    ):
+                        if c.owner != group.index:
+                            return self._keep("shared", group, t)
+                        bucket = c.bucket
+                        bucket.refs += 1
+                        group.live += 1
+                        offset = c.offset + t.storage_offset()
+                        return Gathered(self, group, bucket, t.size(), t.stride(), offset, c)
+                    continue
                 if (
                     c.start <= start
                     and end <= c.end
-                    and c.version == version
                     and (start - c.start) % itemsize == 0
                     and c.host is not None
                     and not c.ref.expired()  # else another storage reuses the address
@@ -822,14 +897,25 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
-        size, stride, dtype = t.size(), t.stride(), t.dtype
+        total = storage.nbytes()
+        if (
+            nbytes <= _GATHER_MAX_BYTES
+            and start == 0
+            and end == total
+            and copy is None
+            and not (self.compress or self.capture or self.manual)
+            and t.is_contiguous()
+        ):
+            gathered = self._gather(t, group, key, copies, version, dtype)
+            if gathered is not None:
+                return gathered
+        size, stride = t.size(), t.stride()
         whole = False  # Offloaded.whole
         if copy is None:
             # A view whose span covers at least half of its storage (the chunks of a
             # fused QKV or gate/up projection: each spans almost all of it) takes the
             # whole storage, so its sibling views find their bytes already copied.
             c_start, c_end = start, end
-            total = storage.nbytes()
             if 2 * nbytes >= total:
                 c_start, c_end = 0, total
             else:
@@ -862,7 +948,7 @@ class Step:
             queue = self.d2h_queue
             queue.append(pair)
             if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
-                self._flush_d2h(group)
+                self._flush_d2h(group, seal=False)
             group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
@@ -892,6 +978,86 @@ class Step:
         group.live += 1
         return Offloaded(self, group, copy, dtype, size, stride, start - copy.start, whole)
 
+    def _gather(
+        self,
+        t: torch.Tensor,
+        group: _Group,
+        key: int,
+        copies: list[_Copy | _Member] | None,
+        version: int,
+        dtype: torch.dtype,
+    ) -> Gathered | None:
+        """Add the small contiguous tensor ``t`` (its whole storage) to ``group``'s
+        bucket of its dtype (Note [release order], 1(b)); ``None`` when no host block
+        can be reserved for a new bucket (the caller tries a copy of its own)."""
+        numel = t.numel()
+        bucket = self.buckets.get(dtype)
+        if bucket is None or bucket.fill + numel > bucket.end:
+            itemsize = dtype.itemsize
+            if bucket is not None:
+                # before its seal a bucket's span [0, end) counts elements of its dtype
+                need = (bucket.fill + numel) * itemsize
+                grow = min(max(2 * bucket.end * itemsize, need), _GATHER_BUCKET_BYTES)
+                if need <= grow and self.rt.pool.extend(bucket.host, grow):  # type: ignore[arg-type]
+                    bucket.end = grow // itemsize
+                else:
+                    self._seal(bucket)
+                    if len(self.d2h_queue) >= _D2H_BATCH:
+                        self._flush_d2h(group, seal=False)
+                    bucket = None
+            if bucket is None:
+                first = max(_GATHER_FIRST_BYTES, numel * itemsize)
+                block = self.rt.pool.allocate(first)
+                if block is None:
+                    return None
+                bucket = _Copy(group.index, 0, first // itemsize, -1, block, None, None, 0)
+                bucket.sources = []
+                self.buckets[dtype] = bucket
+                self.all_buckets.append(bucket)
+                group.copies[id(bucket)] = bucket
+                bucket.users = 1
+        offset = bucket.fill
+        bucket.fill = offset + numel
+        alias = t.detach()
+        bucket.sources.append(alias)  # type: ignore[union-attr]
+        member = _Member(group.index, version, bucket, offset, dtype, t.nbytes)
+        group.device_refs.append((alias, version, member))
+        if copies is None:
+            self.storages[key] = [member]
+        else:
+            copies.append(member)
+        bucket.refs += 1
+        group.live += 1
+        return Gathered(self, group, bucket, t.size(), t.stride(), offset, member)
+
+    def _seal(self, bucket: _Copy) -> None:
+        """Close a bucket: one flat device copy of its members (a kernel on the current
+        stream, after the kernels that produced them), its host block trimmed, and the
+        flat copy queued for D2H (Note [release order], 1(b); lock held)."""
+        sources = bucket.sources
+        bucket.sources = None
+        dtype = sources[0].dtype  # type: ignore[index]
+        if self.buckets.get(dtype) is bucket:
+            del self.buckets[dtype]
+        flat = _flatten_dense_tensors(sources)
+        del sources
+        n = bucket.fill
+        nbytes = n * dtype.itemsize
+        block: HostBlock = bucket.host  # type: ignore[assignment]
+        self.rt.pool.trim(block, nbytes)
+        bucket.end = nbytes  # from now on, bytes as in every copy
+        size = torch.Size((n,))
+        bucket.spec = (dtype, size, (1,))
+        bucket.host_view = view = block.typed(dtype, size, (1,))
+        self.d2h_queue.append((flat, view, None))
+        self.d2h_transient.append(flat)
+        self.groups[bucket.owner].stats.bytes_offloaded += nbytes
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
+        by_dtype = self.stats.bytes_by_dtype
+        by_dtype[name] = by_dtype.get(name, 0) + nbytes
+
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
         (``compress="fp8"``), or ``None`` to send its bytes exactly: integer, bool and
@@ -910,14 +1076,19 @@ class Step:
             return dtype if dtype in _compress.HALF else None
         return dtype if flt(t) else None
 
-    def _flush_d2h(self, group: _Group | None) -> None:
-        """Issue the queued D2H copies (lock held)."""
+    def _flush_d2h(self, group: _Group | None, seal: bool = True) -> None:
+        """Issue the queued D2H copies, those of the open buckets first unless ``seal``
+        is false (lock held)."""
+        if seal and self.buckets:
+            for bucket in list(self.buckets.values()):
+                self._seal(bucket)
         queue = self.d2h_queue
         if queue:
             self.d2h_queue = []
+            transient, self.d2h_transient = self.d2h_transient, []
             times = group.times if group is not None else None
             fence = None if self.capture else self.rt.pool.h2d_fence
-            self.backend.d2h(queue, fence, times)  # type: ignore[union-attr]
+            self.backend.d2h(queue, fence, times, transient)  # type: ignore[union-attr]
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
@@ -940,10 +1111,21 @@ class Step:
             return
         self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
         mine: dict[int, _Copy] = {}
+        gathered = 0
         for t, version, copy in group.device_refs:
             if t._version != version:
                 copy.poison = inplace_message(t, version)
-            mine[id(copy.ref)] = copy
+            if type(copy) is _Member:
+                # A member's storage is held by this reference alone (and the wrapper
+                # the count makes) when it is freed below: its bytes are given back and
+                # its place can no longer be found; else it lives on, watched.
+                if _storage_use_count(t) <= 2:
+                    gathered += copy.nbytes
+                    copy.version = -1
+                else:
+                    copy.ref = StorageWeakRef(t.untyped_storage())
+            else:
+                mine[id(copy.ref)] = copy
         del t  # the loop variable would keep the last tensor alive
         group.device_refs.clear()
         # Storages whose last reference was ours are free now: that is the device memory
@@ -951,9 +1133,9 @@ class Step:
         # travelled for nothing, and is not counted). One storage may have several copies.
         freed: dict[int, int] = {}
         for copy in mine.values():
-            if copy.ref.expired():
-                freed[copy.ref.cdata] = copy.storage_nbytes
-        group.stats.bytes_released += sum(freed.values())
+            if copy.ref.expired():  # type: ignore[union-attr]
+                freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
+        group.stats.bytes_released += sum(freed.values()) + gathered
 
     # ---- manual mode (get_cpu_offload_context(manual_synchronization=True)) -----------
 
@@ -1030,10 +1212,13 @@ class Step:
         reads the storage of one of ``tensors``; returns whether it did."""
         with self.rt.lock:
             queue = self.d2h_queue
-            if not queue:
+            if not queue and not self.buckets:
                 return False
             keys = {t.untyped_storage()._cdata for t in tensors}
-            if not any(src.untyped_storage()._cdata in keys for src, _, _ in queue):
+            sources = [src for src, _, _ in queue]
+            for bucket in self.buckets.values():
+                sources += bucket.sources  # type: ignore[arg-type]
+            if not any(src.untyped_storage()._cdata in keys for src in sources):
                 return False
             self._flush_d2h(self.open)
             return True
@@ -1098,7 +1283,7 @@ class Step:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
 
-    def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
+    def reloaded_buffer(self, handle: Offloaded | Gathered) -> torch.Tensor:
         """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
         (Note [release order], 5)."""
         rt = self.rt
