@@ -136,7 +136,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import _compress, _device, _packing, _placement, _timing
@@ -144,6 +144,7 @@ from offload._buffers import ReloadBuffers, _storage_use_count
 from offload._device import Backend, backend_for
 from offload._handles import (
     Gathered,
+    GatheredView,
     Held,
     Kept,
     Offloaded,
@@ -280,8 +281,6 @@ class _Copy:
         "codec",
         "spec",
         "host_view",
-        "sources",
-        "fill",
     )
 
     def __init__(
@@ -324,32 +323,47 @@ class _Copy:
         #: ``length`` bytes (``uint8``); a view the pool caches (``HostBlock.typed``).
         #: None once the block is returned.
         self.host_view: torch.Tensor | None = None
-        #: a bucket being filled (Note [release order], 1(b)): the device tensors of its
-        #: members, in order, until it is sealed (then None); ``fill``: its elements
-        self.sources: list[torch.Tensor] | None = None
-        self.fill = 0
 
 
-class _Member:
-    """One small tensor's place in a bucket (Note [release order], 1(b)), listed in
-    ``Step.storages`` under its device storage like a :class:`_Copy`, so that saving the
-    same storage again finds it. Until its group's release the group holds the storage
-    (``ref`` is ``None``); the release sets ``ref`` for a storage that lives on, and
-    ``version`` to -1 (never matched) for one it frees."""
+class _Bucket(_Copy):
+    """The small tensors of one layer call and one dtype that travel together (Note
+    [release order], 1(b)): one host block, one D2H and one H2D copy. Its members are
+    numbered in saving order; ``Step.storages`` lists ``(bucket, i)`` under member
+    ``i``'s device storage, so that saving that storage again finds it.
 
-    __slots__ = ("owner", "version", "bucket", "offset", "dtype", "ref", "poison", "nbytes")
+    Until its seal the bucket's span ``[0, end)`` counts the elements it can hold; then
+    ``end`` is its bytes and ``spec`` its flat geometry, like any copy's."""
 
-    def __init__(
-        self, owner: int, version: int, bucket: _Copy, offset: int, dtype: torch.dtype, nbytes: int
-    ):
-        self.owner = owner
-        self.version = version
-        self.bucket = bucket
-        self.offset = offset  # first element in the bucket
+    __slots__ = (
+        "dtype",
+        "fill",
+        "sources",
+        "versions",
+        "offsets",
+        "carriers",
+        "views",
+        "poisons",
+        "watched",
+    )
+
+    def __init__(self, owner: int, capacity: int, host: HostBlock, dtype: torch.dtype):
+        super().__init__(owner, 0, capacity, -1, host, None, None, 0)
         self.dtype = dtype
-        self.ref: StorageWeakRef | None = None
-        self.poison: str | None = None
-        self.nbytes = nbytes
+        self.fill = 0  # elements used
+        #: the members' device tensors, until the group's release (the device reference)
+        self.sources: list[torch.Tensor] | None = []
+        #: each member's version at pack; -1 once the release freed its storage
+        self.versions: list[int] = []
+        self.offsets: list[int] = []  # each member's first element
+        #: host views of the members' geometries, from the seal until the host block
+        #: is returned: what the reload cuts its buffer into
+        self.carriers: list[torch.Tensor] | None = None
+        #: the members' tensors over the reload buffer, each handed out once
+        self.views: list[torch.Tensor | None] | None = None
+        #: member -> the in-place error found at the release
+        self.poisons: dict[int, str] | None = None
+        #: member -> its storage, for members whose storage outlives the release
+        self.watched: dict[int, StorageWeakRef] | None = None
 
 
 class _Group:
@@ -385,7 +399,9 @@ class _Group:
         self.offload = offload
         self.stream = stream  # the compute stream current when the layer ran
         self.copies: dict[int, _Copy] = {}  # id -> copy, also copies made by other groups
-        self.device_refs: list[tuple[torch.Tensor, int, _Copy | _Member]] = []
+        #: (device tensor, version at pack, its copy); (None, -1, bucket) for a bucket,
+        #: whose members' tensors the bucket holds
+        self.device_refs: list[tuple[torch.Tensor | None, int, _Copy]] = []
         self.d2h_done: Any = None
         self.released = False
         self.reloaded = False
@@ -497,11 +513,11 @@ class Step:
         self.forward_done = False
         self.aborted = False
         self.backward_done = False
-        self.storages: dict[int, list[_Copy | _Member]] = {}
+        self.storages: dict[int, list[_Copy | tuple[_Bucket, int]]] = {}
         #: dtype -> the bucket of the open group being filled (Note [release order],
         #: 1(b)); every bucket of the step, for abort()
-        self.buckets: dict[torch.dtype, _Copy] = {}
-        self.all_buckets: list[_Copy] = []
+        self.buckets: dict[torch.dtype, _Bucket] = {}
+        self.all_buckets: list[_Bucket] = []
         self.stats = OffloadStats()
         self.outside = dict.fromkeys(KEEP_REASONS, 0)  # kept bytes saved outside groups
         self.device: torch.device | None = None
@@ -531,6 +547,9 @@ class Step:
         #: graph) or "layer" (each layer call is its own graph): Note [release order],
         #: "CUDA graphs"
         self.capture: str | None = None
+        #: small tensors travel in buckets (Note [release order], 1(b)): not with
+        #: compression, in captures or in manual mode (set when a group opens)
+        self.gathering = False
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -564,6 +583,7 @@ class Step:
             else:
                 offload = bool(self.plan.select(index, module))
             stream = self.backend.current_stream() if self.backend is not None else None
+            self.gathering = not (self.compress or self.capture or self.manual)
             group = _Group(index, module, offload, stream)
             if self.cfg.timing:
                 group.times = []
@@ -682,14 +702,15 @@ class Step:
                 group.released = True
             for copies in [*self.storages.values(), self.all_buckets]:
                 for copy in copies:
-                    if type(copy) is _Member:
-                        continue  # its bucket is in all_buckets
+                    if type(copy) is tuple:
+                        continue  # a bucket's member: the bucket is in all_buckets
                     if copy.host is not None:
                         self.rt.pool.free(copy.host)
                         copy.host = None
                         copy.host_view = None
-                    copy.sources = None
                     copy.buffer = None
+                    if type(copy) is _Bucket:
+                        copy.sources = copy.carriers = copy.views = None
             self.storages.clear()
             self.all_buckets.clear()
             self.buffers.clear()
@@ -752,7 +773,9 @@ class Step:
         ):
             return self._keep("opted_out", group, t)
         cls = type(t)
-        if issubclass(cls, torch.nn.Parameter) or (d and d.get("is_weight", False)):
+        if (cls is not torch.Tensor and issubclass(cls, torch.nn.Parameter)) or (
+            d and d.get("is_weight", False)
+        ):
             return self._keep("parameter" if group is not None else "outside_layers", group, t)
         if cls is not torch.Tensor:  # _packing.is_plain(t): Parameters returned above
             if _packing.is_te_quantized(t):
@@ -824,7 +847,8 @@ class Step:
         flt = self.tensor_filter
         if flt is not None and not flt(t):
             return self._keep("filtered", group, t)
-        if t.is_contiguous():  # _packing.span, inlined for the common case
+        contiguous = t.is_contiguous()
+        if contiguous:  # _packing.span, inlined for the common case
             start = t.storage_offset() * t.element_size()
             end = start + t.nbytes
         else:
@@ -844,7 +868,7 @@ class Step:
         if self.manual and group.phase == "saved":
             # the held alias will have no _base: take the base's span now
             return self._hold(t, group, start, end, _base_span(t))
-        return self._copy(t, group, storage, start, end, None)
+        return self._copy(t, group, storage, start, end, None, contiguous)
 
     def _copy(
         self,
@@ -854,10 +878,13 @@ class Step:
         start: int,
         end: int,
         wide: tuple[int, int] | None,
-    ) -> Kept | Offloaded:
+        contiguous: bool = False,
+    ) -> Kept | Offloaded | Gathered:
         """Start the copy of bytes ``[start, end)`` of ``t``'s storage (or find the copy
         that already holds them) and return its handle (lock held). ``wide``: the span of
-        the base of a view marked ``offload_base_tensor`` (``None``: looked up on ``t``)."""
+        the base of a view marked ``offload_base_tensor`` (``None``: looked up on ``t``).
+        ``contiguous``: ``t.is_contiguous()``, when known to be true (a candidate for
+        its group's bucket, Note [release order], 1(b))."""
         nbytes = end - start
         version = t._version
         key = storage._cdata
@@ -867,24 +894,28 @@ class Step:
         if copies is not None:
             itemsize = t.element_size()
             for c in copies:
-                if c.version != version:
-                    continue
-                if type(c) is _Member:
-                    # the member is its whole storage: any tensor of its dtype on that
-                    # storage is a view of its place in the bucket
-                    ref = c.ref
+                if type(c) is tuple:
+                    # member i of a bucket, its whole storage: any tensor of its dtype on
+                    # that storage is a view of its place in the bucket
+                    bucket, i = c
                     if (
-                        c.dtype is dtype
-                        and c.bucket.host is not None
-                        and (ref is None or not ref.expired())
+                        bucket.versions[i] != version
+                        or bucket.dtype is not dtype
+                        or bucket.host is None
                     ):
-                        if c.owner != group.index:
-                            return self._keep("shared", group, t)
-                        bucket = c.bucket
-                        bucket.refs += 1
-                        group.live += 1
-                        offset = c.offset + t.storage_offset()
-                        return Gathered(self, group, bucket, t.size(), t.stride(), offset, c)
+                        continue
+                    if bucket.sources is None:  # released: the storage may be gone
+                        watched = bucket.watched
+                        ref = None if watched is None else watched.get(i)
+                        if ref is None or ref.expired():
+                            continue
+                    if bucket.owner != group.index:
+                        return self._keep("shared", group, t)
+                    bucket.refs += 1
+                    group.live += 1
+                    offset = bucket.offsets[i] + t.storage_offset()
+                    return GatheredView(self, group, bucket, i, t.size(), t.stride(), offset)
+                if c.version != version:
                     continue
                 if (
                     c.start <= start
@@ -899,12 +930,12 @@ class Step:
             return self._keep("shared", group, t)  # transferred once, by its owner
         total = storage.nbytes()
         if (
-            nbytes <= _GATHER_MAX_BYTES
+            contiguous
+            and copy is None
             and start == 0
             and end == total
-            and copy is None
-            and not (self.compress or self.capture or self.manual)
-            and t.is_contiguous()
+            and nbytes <= _GATHER_MAX_BYTES
+            and self.gathering
         ):
             gathered = self._gather(t, group, key, copies, version, dtype)
             if gathered is not None:
@@ -983,7 +1014,7 @@ class Step:
         t: torch.Tensor,
         group: _Group,
         key: int,
-        copies: list[_Copy | _Member] | None,
+        copies: list[_Copy | tuple[_Bucket, int]] | None,
         version: int,
         dtype: torch.dtype,
     ) -> Gathered | None:
@@ -993,54 +1024,62 @@ class Step:
         numel = t.numel()
         bucket = self.buckets.get(dtype)
         if bucket is None or bucket.fill + numel > bucket.end:
-            itemsize = dtype.itemsize
-            if bucket is not None:
-                # before its seal a bucket's span [0, end) counts elements of its dtype
-                need = (bucket.fill + numel) * itemsize
-                grow = min(max(2 * bucket.end * itemsize, need), _GATHER_BUCKET_BYTES)
-                if need <= grow and self.rt.pool.extend(bucket.host, grow):  # type: ignore[arg-type]
-                    bucket.end = grow // itemsize
-                else:
-                    self._seal(bucket)
-                    if len(self.d2h_queue) >= _D2H_BATCH:
-                        self._flush_d2h(group, seal=False)
-                    bucket = None
+            bucket = self._bucket_for(bucket, numel, group, dtype)
             if bucket is None:
-                first = max(_GATHER_FIRST_BYTES, numel * itemsize)
-                block = self.rt.pool.allocate(first)
-                if block is None:
-                    return None
-                bucket = _Copy(group.index, 0, first // itemsize, -1, block, None, None, 0)
-                bucket.sources = []
-                self.buckets[dtype] = bucket
-                self.all_buckets.append(bucket)
-                group.copies[id(bucket)] = bucket
-                bucket.users = 1
+                return None
         offset = bucket.fill
         bucket.fill = offset + numel
-        alias = t.detach()
-        bucket.sources.append(alias)  # type: ignore[union-attr]
-        member = _Member(group.index, version, bucket, offset, dtype, t.nbytes)
-        group.device_refs.append((alias, version, member))
+        i = len(bucket.offsets)
+        bucket.offsets.append(offset)
+        bucket.versions.append(version)
+        bucket.sources.append(t.detach())  # type: ignore[union-attr]
         if copies is None:
-            self.storages[key] = [member]
+            self.storages[key] = [(bucket, i)]
         else:
-            copies.append(member)
+            copies.append((bucket, i))
         bucket.refs += 1
         group.live += 1
-        return Gathered(self, group, bucket, t.size(), t.stride(), offset, member)
+        return Gathered(self, group, bucket, i)
 
-    def _seal(self, bucket: _Copy) -> None:
-        """Close a bucket: one flat device copy of its members (a kernel on the current
-        stream, after the kernels that produced them), its host block trimmed, and the
-        flat copy queued for D2H (Note [release order], 1(b); lock held)."""
-        sources = bucket.sources
-        bucket.sources = None
-        dtype = sources[0].dtype  # type: ignore[index]
+    def _bucket_for(
+        self, bucket: _Bucket | None, numel: int, group: _Group, dtype: torch.dtype
+    ) -> _Bucket | None:
+        """A bucket of ``group`` and ``dtype`` with room for ``numel`` more elements:
+        ``bucket`` (the open one, too full) grown in place, else a new one (the full
+        one sealed); ``None`` when the host budget refuses a new one (lock held)."""
+        itemsize = dtype.itemsize
+        if bucket is not None:
+            need = (bucket.fill + numel) * itemsize
+            grow = min(max(2 * bucket.end * itemsize, need), _GATHER_BUCKET_BYTES)
+            if need <= grow and self.rt.pool.extend(bucket.host, grow):  # type: ignore[arg-type]
+                bucket.end = grow // itemsize
+                return bucket
+            self._seal(bucket)
+            if len(self.d2h_queue) >= _D2H_BATCH:
+                self._flush_d2h(group, seal=False)
+        first = max(_GATHER_FIRST_BYTES, numel * itemsize)
+        block = self.rt.pool.allocate(first)
+        if block is None:
+            return None
+        bucket = _Bucket(group.index, first // itemsize, block, dtype)
+        self.buckets[dtype] = bucket
+        self.all_buckets.append(bucket)
+        group.copies[id(bucket)] = bucket
+        bucket.users = 1
+        # one entry for all its members: the group has device references to release
+        group.device_refs.append((None, -1, bucket))
+        return bucket
+
+    def _seal(self, bucket: _Bucket) -> None:
+        """Close a bucket to new members: one flat device copy of them (a kernel on the
+        current stream, after the kernels that produced them) queued for D2H, its host
+        block trimmed, and the members' geometries kept as views of it (Note [release
+        order], 1(b); lock held). Its members' tensors stay until the release."""
+        dtype = bucket.dtype
         if self.buckets.get(dtype) is bucket:
             del self.buckets[dtype]
+        sources = bucket.sources
         flat = _flatten_dense_tensors(sources)
-        del sources
         n = bucket.fill
         nbytes = n * dtype.itemsize
         block: HostBlock = bucket.host  # type: ignore[assignment]
@@ -1049,6 +1088,7 @@ class Step:
         size = torch.Size((n,))
         bucket.spec = (dtype, size, (1,))
         bucket.host_view = view = block.typed(dtype, size, (1,))
+        bucket.carriers = _unflatten_dense_tensors(view, sources)
         self.d2h_queue.append((flat, view, None))
         self.d2h_transient.append(flat)
         self.groups[bucket.owner].stats.bytes_offloaded += nbytes
@@ -1057,6 +1097,31 @@ class Step:
             name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
         by_dtype = self.stats.bytes_by_dtype
         by_dtype[name] = by_dtype.get(name, 0) + nbytes
+
+    def _release_members(self, bucket: _Bucket) -> int:
+        """The release of a bucket's members (Note [release order], 3): the in-place
+        check of each, then its device tensor dropped. Returns the bytes of the
+        storages this frees. A storage held by nothing but the bucket (and the wrapper
+        the count makes) is freed, and its member can no longer be found; one that
+        lives on is watched, since its address cannot be reused while it lives."""
+        sources, bucket.sources = bucket.sources, None
+        if not sources:
+            return 0
+        versions = bucket.versions
+        freed = 0
+        for i, t in enumerate(sources):
+            if t._version != versions[i]:
+                if bucket.poisons is None:
+                    bucket.poisons = {}
+                bucket.poisons[i] = inplace_message(t, versions[i])
+            if _storage_use_count(t) <= 2:
+                freed += t.nbytes
+                versions[i] = -1
+            else:
+                if bucket.watched is None:
+                    bucket.watched = {}
+                bucket.watched[i] = StorageWeakRef(t.untyped_storage())
+        return freed
 
     def _codec(self, t: torch.Tensor, start: int, end: int) -> torch.dtype | None:
         """The dtype to quantize the span ``[start, end)`` of ``t``'s storage from
@@ -1113,19 +1178,12 @@ class Step:
         mine: dict[int, _Copy] = {}
         gathered = 0
         for t, version, copy in group.device_refs:
+            if t is None:
+                gathered += self._release_members(copy)  # type: ignore[arg-type]
+                continue
             if t._version != version:
                 copy.poison = inplace_message(t, version)
-            if type(copy) is _Member:
-                # A member's storage is held by this reference alone (and the wrapper
-                # the count makes) when it is freed below: its bytes are given back and
-                # its place can no longer be found; else it lives on, watched.
-                if _storage_use_count(t) <= 2:
-                    gathered += copy.nbytes
-                    copy.version = -1
-                else:
-                    copy.ref = StorageWeakRef(t.untyped_storage())
-            else:
-                mine[id(copy.ref)] = copy
+            mine[id(copy.ref)] = copy
         del t  # the loop variable would keep the last tensor alive
         group.device_refs.clear()
         # Storages whose last reference was ours are free now: that is the device memory
@@ -1217,7 +1275,7 @@ class Step:
             keys = {t.untyped_storage()._cdata for t in tensors}
             sources = [src for src, _, _ in queue]
             for bucket in self.buckets.values():
-                sources += bucket.sources  # type: ignore[arg-type]
+                sources += bucket.sources  # type: ignore[operator]
             if not any(src.untyped_storage()._cdata in keys for src in sources):
                 return False
             self._flush_d2h(self.open)
@@ -1259,6 +1317,8 @@ class Step:
         reloaded = 0
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
+            if type(copy) is _Bucket:  # its members' tensors, cut once for all
+                copy.views = list(_unflatten_dense_tensors(buffer, copy.carriers))
             host = copy.host
             pairs.append((copy.host_view, buffer, copy.codec))
             reloaded += host.length  # type: ignore[union-attr]
@@ -1356,6 +1416,8 @@ class Step:
                 spec = copy.spec
                 self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None
+            if type(copy) is _Bucket:
+                copy.views = None
 
     # ---- handle death ----------------------------------------------------------------
 
@@ -1384,6 +1446,8 @@ class Step:
                     self.rt.pool.free(copy.host)
                 copy.host = None
                 copy.host_view = None
+                if type(copy) is _Bucket:
+                    copy.carriers = None
         if group is not None:
             group.live -= 1
             if group.live == 0:
