@@ -39,11 +39,16 @@ on the host:
    scheduler's internals): ``--direct-tensors`` (4096) fresh tensors are passed to
    ``Step.pack`` in ``--direct-groups`` (16) groups, the forward is finished, then every
    handle is unpacked with ``unpack_hook`` (in reverse order, as a backward does) and
-   finally dropped. Columns: ``pack``, ``unpack``, ``free`` (handle death: host blocks
-   back to the pool) and ``total``, each the median over ``--repeats`` runs of the
-   phase's host time divided by the number of tensors, in us; for ``offloaded`` (every
-   group offloaded: copy to the host at pack, reload at the first unpack of a group) and
-   ``kept`` (no group offloaded: classified and kept).
+   finally dropped. Columns: ``pack``, ``unpack``, their sum ``pack+unpack`` (the
+   figure the hot-path target is about), ``free`` (handle death: host blocks back to
+   the pool), ``groups`` (``open_group``, ``close_group`` and ``finish_forward``: what
+   is done per group, such as sealing a bucket of small tensors and issuing its copy,
+   and releasing the device tensors, spread over the group's tensors) and ``total``
+   (all four), each the median over ``--repeats`` runs of the phase's host time divided
+   by the number of tensors, in us; for ``offloaded`` (every group offloaded: copied to
+   the host, in one bucket per group for these small tensors, reloaded at the first
+   unpack of a group) and ``kept`` (no group offloaded: classified and kept). Each group's
+   tensors are dropped when it closes, as a layer's intermediates die when it returns.
 
 Everything measured (every raw time, settings, environment) goes to ``--out`` as JSON.
 """
@@ -211,7 +216,7 @@ def pack_unpack_direct(
     runtime = Runtime(OffloadConfig(min_tensor_bytes=0))
     per_group = tensors // groups
     chosen = list(range(groups)) if offloaded else []
-    phases: dict[str, list[float]] = {"pack": [], "unpack": [], "free": []}
+    phases: dict[str, list[float]] = {"pack": [], "unpack": [], "free": [], "groups": []}
     for i in range(warmup + repeats):
         batch = [torch.randn(numel, device=device) for _ in range(per_group * groups)]
         step = Step(runtime, make_plan(groups, chosen, None))
@@ -219,16 +224,24 @@ def pack_unpack_direct(
         gc.collect()
         synchronize(device)
         with gc_off():
-            pack_s = 0.0
+            pack_s = groups_s = 0.0
             for g in range(groups):
-                step.open_group(None)
                 start = time.perf_counter()
+                step.open_group(None)
+                mid = time.perf_counter()
                 for t in batch[g * per_group : (g + 1) * per_group]:
                     handles.append(step.pack(t))
-                pack_s += time.perf_counter() - start
+                end = time.perf_counter()
                 step.close_group()
+                pack_s += end - mid
+                groups_s += (mid - start) + (time.perf_counter() - end)
+                # the group's tensors die with it, as a layer's intermediates do when it
+                # returns (their device memory is then the release's to give back)
+                batch[g * per_group : (g + 1) * per_group] = [None] * per_group
+            start = time.perf_counter()
             step.finish_forward()
-            del batch, t  # offloaded originals are gone now, as after a forward
+            groups_s += time.perf_counter() - start
+            del batch, t
             synchronize(device)
             start = time.perf_counter()
             for h in reversed(handles):
@@ -244,10 +257,12 @@ def pack_unpack_direct(
             phases["pack"].append(pack_s)
             phases["unpack"].append(unpack_s)
             phases["free"].append(free_s)
+            phases["groups"].append(groups_s)
     runtime.close()
     n = per_group * groups
     us = {k: median(v) * 1e6 / n for k, v in phases.items()}
-    us["total"] = sum(us.values())
+    us["pack+unpack"] = us["pack"] + us["unpack"]
+    us["total"] = us["pack+unpack"] + us["free"] + us["groups"]
     return {
         "path": "offloaded" if offloaded else "kept",
         "tensors": n,
@@ -288,15 +303,12 @@ def print_report(result: dict[str, Any]) -> None:
             )
         console.print(table)
         table = Table(title=f"{dev}: Step.pack + unpack_hook directly, us per tensor")
-        for col in ("path", "tensors", "pack", "unpack", "free", "total"):
+        cols = ("pack", "unpack", "pack+unpack", "free", "groups", "total")
+        for col in ("path", "tensors", *cols):
             table.add_column(col, justify="left" if col == "path" else "right")
         for row in res["direct"]:
             us = row["us_per_tensor"]
-            table.add_row(
-                row["path"],
-                str(row["tensors"]),
-                *(f"{us[k]:.1f}" for k in ("pack", "unpack", "free", "total")),
-            )
+            table.add_row(row["path"], str(row["tensors"]), *(f"{us[k]:.1f}" for k in cols))
         console.print(table)
     console.print("Columns: header of benchmarks/bench_hooks.py.")
 

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Held",
     "Gathered",
-    "GatheredView",
     "Kept",
     "Offloaded",
     "PackedQuantized",
@@ -118,48 +117,14 @@ class Gathered:
     """A small contiguous tensor whose bytes travelled in a bucket: one host block, one
     D2H and one H2D copy shared by the small tensors of one dtype saved together in a
     layer call (Note [release order], 1(b)). ``copy`` is the bucket
-    (``_scheduler._Bucket``) and ``index`` the tensor's number in it.
+    (``_scheduler._Bucket``), ``index`` the tensor's number in it (its in-place poison
+    is recorded under it) and ``offset`` its first element in the bucket.
 
-    Hot path: the reload cuts the bucket's buffer into its members' tensors at once
-    (``_Bucket.views``); once it is waited for (step 5 done), an unpack takes its
-    tensor from there, without the lock. Each is handed out once; a second unpack of
-    the same handle gets a fresh view."""
+    Hot path: once the bucket is reloaded and waited for (step 5 done), an unpack is
+    one view of the reload buffer, made without the lock (a buffer dropped by another
+    thread meanwhile stays valid: the view holds its storage)."""
 
-    __slots__ = ("step", "group", "copy", "index")
-
-    def __init__(self, step: Step, group: _Group, copy: _Bucket, index: int):
-        self.step = step
-        self.group = group
-        self.copy = copy
-        self.index = index
-
-    def unpack(self) -> torch.Tensor:
-        bucket = self.copy
-        i = self.index
-        poisons = bucket.poisons
-        if poisons is not None and i in poisons:
-            raise RuntimeError(poisons[i])
-        views = bucket.views
-        if views is None or not bucket.waited:
-            self.step.reloaded_buffer(self)  # type: ignore[arg-type]
-            views = bucket.views
-        t = views[i]  # type: ignore[index]
-        if t is not None:
-            views[i] = None  # type: ignore[index]
-            return t
-        carrier = bucket.carriers[i]  # type: ignore[index]
-        return bucket.buffer.as_strided(carrier.size(), carrier.stride(), bucket.offsets[i])  # type: ignore[union-attr]
-
-    def __del__(self) -> None:
-        self.step.handle_died(self.copy, self.group)
-
-
-class GatheredView(Gathered):
-    """A tensor saved again in the layer call that gathered its storage (member
-    ``index`` of bucket ``copy``): a view of its own geometry, ``offset`` elements
-    into the bucket."""
-
-    __slots__ = ("size", "stride", "offset")
+    __slots__ = ("step", "group", "copy", "index", "size", "stride", "offset")
 
     def __init__(
         self,
@@ -171,7 +136,10 @@ class GatheredView(Gathered):
         stride: tuple[int, ...],
         offset: int,
     ):
-        super().__init__(step, group, copy, index)
+        self.step = step
+        self.group = group
+        self.copy = copy
+        self.index = index
         self.size = size
         self.stride = stride
         self.offset = offset
@@ -181,8 +149,14 @@ class GatheredView(Gathered):
         poisons = bucket.poisons
         if poisons is not None and self.index in poisons:
             raise RuntimeError(poisons[self.index])
-        buffer = self.step.reloaded_buffer(self)  # type: ignore[arg-type]
+        buffer = bucket.buffer
+        if buffer is None or not bucket.waited:
+            buffer = self.step.reloaded_buffer(self)  # type: ignore[arg-type]
+        # a fresh view of the reloaded bucket, never the bucket itself
         return buffer.as_strided(self.size, self.stride, self.offset)
+
+    def __del__(self) -> None:
+        self.step.handle_died(self.copy, self.group)
 
 
 class Pending:

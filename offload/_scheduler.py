@@ -27,6 +27,26 @@ Forward, group g (the call of layer g), offloaded:
    The group keeps ``t.detach()`` (the device reference) and the version at pack time.
    Autograd gets a handle, never the tensor itself (a tensor saved by its own producer
    would otherwise form a cycle through its ``grad_fn``).
+1(b). *Gathered copies.* A contiguous tensor that is its whole storage and at most
+   ``_GATHER_MAX_BYTES`` joins its group's open bucket of its dtype instead (not with
+   compression, in CUDA graph captures or in manual mode): the group keeps
+   ``t.detach()`` and its version in the bucket, the handle records its place. The
+   bucket's host block is reserved when it opens, grown in place while the bytes after
+   it are free, up to ``_GATHER_BUCKET_BYTES``. A bucket is *sealed* when it is full,
+   when its group closes, and wherever queued copies are issued for a reason other
+   than batching (``finish_forward``, ``start_offload``, a reload): one kernel on the
+   current (compute) stream concatenates its members into a flat device tensor, behind
+   the kernels that produced them, and that flat tensor is queued for D2H like any
+   span. The flat tensor is the one source no group holds: the backend marks it used
+   by the D2H stream (``record_stream``) before the scheduler drops it, so the
+   allocator hands its block out again only after the copy has read it. The members'
+   own tensors are held until the release (step 3), which checks each one's version
+   (an in-place change poisons that member alone) and frees the storages only the
+   bucket held. The bucket is then one copy for steps 4-7: one reload buffer, one H2D,
+   each unpack a view of the buffer at the member's place, and its host block returns
+   when the last member's handle dies. Why: below about a MiB the host time of a copy
+   of its own (allocating the block, issuing the copy, reloading it) exceeds the
+   link's time, and small layers are paced by it.
 2. *Close.* When the layer's forward ends, an event is recorded on the D2H stream: it
    completes when every copy of the group (and of earlier groups) has landed.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g is the j-th of the
@@ -136,7 +156,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import _compress, _device, _packing, _placement, _timing
@@ -144,7 +164,6 @@ from offload._buffers import ReloadBuffers, _storage_use_count
 from offload._device import Backend, backend_for
 from offload._handles import (
     Gathered,
-    GatheredView,
     Held,
     Kept,
     Offloaded,
@@ -340,8 +359,6 @@ class _Bucket(_Copy):
         "sources",
         "versions",
         "offsets",
-        "carriers",
-        "views",
         "poisons",
         "watched",
     )
@@ -355,11 +372,6 @@ class _Bucket(_Copy):
         #: each member's version at pack; -1 once the release freed its storage
         self.versions: list[int] = []
         self.offsets: list[int] = []  # each member's first element
-        #: host views of the members' geometries, from the seal until the host block
-        #: is returned: what the reload cuts its buffer into
-        self.carriers: list[torch.Tensor] | None = None
-        #: the members' tensors over the reload buffer, each handed out once
-        self.views: list[torch.Tensor | None] | None = None
         #: member -> the in-place error found at the release
         self.poisons: dict[int, str] | None = None
         #: member -> its storage, for members whose storage outlives the release
@@ -710,7 +722,7 @@ class Step:
                         copy.host_view = None
                     copy.buffer = None
                     if type(copy) is _Bucket:
-                        copy.sources = copy.carriers = copy.views = None
+                        copy.sources = None
             self.storages.clear()
             self.all_buckets.clear()
             self.buffers.clear()
@@ -914,7 +926,7 @@ class Step:
                     bucket.refs += 1
                     group.live += 1
                     offset = bucket.offsets[i] + t.storage_offset()
-                    return GatheredView(self, group, bucket, i, t.size(), t.stride(), offset)
+                    return Gathered(self, group, bucket, i, t.size(), t.stride(), offset)
                 if c.version != version:
                     continue
                 if (
@@ -1039,7 +1051,7 @@ class Step:
             copies.append((bucket, i))
         bucket.refs += 1
         group.live += 1
-        return Gathered(self, group, bucket, i)
+        return Gathered(self, group, bucket, i, t.size(), t.stride(), offset)
 
     def _bucket_for(
         self, bucket: _Bucket | None, numel: int, group: _Group, dtype: torch.dtype
@@ -1072,9 +1084,9 @@ class Step:
 
     def _seal(self, bucket: _Bucket) -> None:
         """Close a bucket to new members: one flat device copy of them (a kernel on the
-        current stream, after the kernels that produced them) queued for D2H, its host
-        block trimmed, and the members' geometries kept as views of it (Note [release
-        order], 1(b); lock held). Its members' tensors stay until the release."""
+        current stream, after the kernels that produced them) queued for D2H and its
+        host block trimmed (Note [release order], 1(b); lock held). Its members' tensors
+        stay until the release."""
         dtype = bucket.dtype
         if self.buckets.get(dtype) is bucket:
             del self.buckets[dtype]
@@ -1088,7 +1100,6 @@ class Step:
         size = torch.Size((n,))
         bucket.spec = (dtype, size, (1,))
         bucket.host_view = view = block.typed(dtype, size, (1,))
-        bucket.carriers = _unflatten_dense_tensors(view, sources)
         self.d2h_queue.append((flat, view, None))
         self.d2h_transient.append(flat)
         self.groups[bucket.owner].stats.bytes_offloaded += nbytes
@@ -1317,8 +1328,6 @@ class Step:
         reloaded = 0
         for copy, buffer in zip(todo, buffers):
             copy.buffer = buffer
-            if type(copy) is _Bucket:  # its members' tensors, cut once for all
-                copy.views = list(_unflatten_dense_tensors(buffer, copy.carriers))
             host = copy.host
             pairs.append((copy.host_view, buffer, copy.codec))
             reloaded += host.length  # type: ignore[union-attr]
@@ -1416,8 +1425,6 @@ class Step:
                 spec = copy.spec
                 self.buffers.give(copy.buffer, copy.end - copy.start if spec is None else spec)
             copy.buffer = None
-            if type(copy) is _Bucket:
-                copy.views = None
 
     # ---- handle death ----------------------------------------------------------------
 
@@ -1446,8 +1453,6 @@ class Step:
                     self.rt.pool.free(copy.host)
                 copy.host = None
                 copy.host_view = None
-                if type(copy) is _Bucket:
-                    copy.carriers = None
         if group is not None:
             group.live -= 1
             if group.live == 0:
