@@ -61,7 +61,8 @@ def test_bucket_flat_copy_survives_until_its_d2h() -> None:
 
 def test_small_tensor_model_frees_memory_and_matches() -> None:
     """Many layers of small tensors only (every saved tensor gathered): the same
-    gradients, and the activation peak below the model's without offloading."""
+    gradients, and the device memory the graph holds after the forward (its saved
+    activations) a fraction of the model's without offloading."""
     torch.manual_seed(0)
     layers = nn.ModuleList(models.LlamaBlock(256, 4, 512) for _ in range(12)).to(
         DEV, torch.bfloat16
@@ -70,19 +71,26 @@ def test_small_tensor_model_frees_memory_and_matches() -> None:
     x = torch.randn(2, 128, 256, device=DEV, dtype=torch.bfloat16)
     off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
 
-    def peak(offloader: offload.ActivationOffloader | None, mods: nn.ModuleList) -> tuple:
+    def held(offloader: offload.ActivationOffloader | None, mods: nn.ModuleList) -> tuple:
+        for p in mods.parameters():
+            p.grad = None
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = models.step(mods, x, models.run_plain, offloader)
-        torch.cuda.synchronize()
-        return out, torch.cuda.max_memory_allocated() - base
+        after: list[int] = []
+
+        def record() -> None:
+            torch.cuda.synchronize()
+            after.append(torch.cuda.memory_allocated() - base)
+
+        out = models.step(mods, x, models.run_plain, offloader, after_forward=record)
+        return out, after[0]
 
     for _ in range(2):
-        got, with_off = peak(off, layers)
-        want, without = peak(None, ref)
+        got, with_off = held(off, layers)
+        want, without = held(None, ref)
         assert_same(got, want)
     step = off._last
     assert step.all_buckets
     assert all(b.end <= 8 << 20 for b in step.all_buckets)
-    assert with_off < 0.6 * without, (with_off, without)
+    # 11 of 12 layers offloaded: what stays is the last layer's and the loss's
+    assert with_off < 0.25 * without, (with_off, without)
