@@ -200,3 +200,36 @@ def test_exception_in_a_layer_returns_an_open_bucket() -> None:
 
 def test_bucket_is_a_copy_for_the_rest_of_the_scheduler() -> None:
     assert issubclass(_Bucket, _scheduler._Copy)
+
+
+def test_no_buckets_under_compression_or_manual_synchronization() -> None:
+    """Compressed copies quantize tensor by tensor, and in manual mode the caller
+    issues each layer's copies: neither gathers."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ManySmall(3) for _ in range(2))
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0, compress="fp8")
+    models.step(layers, torch.randn(4, 64), models.run_plain, off)
+    # the bf16 tensor was quantized; the fp32 ones travelled exactly, one copy each
+    assert off.stats.compress_bytes_after > 0 and not off._last.all_buckets
+
+    layers = nn.ModuleList(ManySmall(3) for _ in range(2))
+    ref = models.twin(layers)
+    ctx, sync, sched = offload.get_cpu_offload_context(
+        True, model_layers=2, manual_synchronization=True
+    )
+    x = torch.randn(4, 1024, 64)  # 1 MiB tensors: above the context's default minimum
+    got = models.step(layers, x, lambda ls, h: _run_manual(ls, h, ctx, sync, sched))
+    models.assert_same(got, models.step(ref, x, models.run_plain))
+    assert sched.stats().bytes_offloaded > 0
+    assert not ctx.step.all_buckets
+
+
+def _run_manual(layers, h, ctx, sync, sched):
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        sched.start_offload_layer(i)
+    for i in range(len(layers)):
+        sched.release_activation_forward_gpu_memory(i)
+    return h
