@@ -1327,6 +1327,9 @@ class Step:
         owners: set[int] = set()
         reloaded = 0
         for copy, buffer in zip(todo, buffers):
+            # not waited for before the buffer is visible: an unpack that reads both
+            # without the lock (Gathered.unpack) then takes the locked path and waits
+            copy.waited = False
             copy.buffer = buffer
             host = copy.host
             pairs.append((copy.host_view, buffer, copy.codec))

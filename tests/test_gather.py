@@ -233,3 +233,32 @@ def _run_manual(layers, h, ctx, sync, sched):
     for i in range(len(layers)):
         sched.release_activation_forward_gpu_memory(i)
     return h
+
+
+def test_a_reloaded_bucket_is_never_seen_waited_for_before_its_wait() -> None:
+    """Gathered.unpack reads ``bucket.buffer`` and ``bucket.waited`` without the lock:
+    when a bucket is reloaded again (a second backward over a retained graph, after
+    its first backward dropped the buffer), its new buffer must not appear with the
+    ``waited`` of the previous reload (Note [release order], 5)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ManySmall(3) for _ in range(3))
+    ref = models.twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=2, min_tensor_bytes=0)
+    backend = off._runtime.backend(torch.device("cpu"))
+    original = backend.h2d
+    seen: list[bool] = []
+
+    def h2d(pairs, waits, stream, times=None):
+        buckets = off._last.all_buckets
+        for _src, dst, _codec in pairs:
+            for b in buckets:
+                if b.buffer is dst:
+                    seen.append(b.waited)
+        return original(pairs, waits, stream, times)
+
+    backend.h2d = h2d  # type: ignore[method-assign]
+    x = torch.randn(4, 64)
+    got = models.step(layers, x, models.run_plain, off, backwards=2)
+    models.assert_same(got, models.step(ref, x, models.run_plain, backwards=2))
+    # two backwards, two offloaded layers with an fp32 and a bf16 bucket each
+    assert len(seen) == 8 and not any(seen)
