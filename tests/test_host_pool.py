@@ -93,3 +93,27 @@ def test_typed_view_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         assert view.numel() == n and view.data_ptr() == block.tensor.data_ptr()
         assert len(block.slab.views) <= 4
     pool.free(block)
+
+
+def test_extend_grows_in_place_only_into_free_bytes_and_trim_gives_back() -> None:
+    pool = HostPool(limit=1 << 30, pin=False)
+    a = pool.allocate(ALIGN)
+    assert a is not None and a.nbytes == ALIGN
+    start = a.start
+    assert pool.extend(a, 4 * ALIGN + 1)  # the bytes after it are free
+    assert a.start == start and a.nbytes == 5 * ALIGN and a.length == 4 * ALIGN + 1
+    assert pool.in_use_bytes == 5 * ALIGN and pool.peak_bytes >= 5 * ALIGN
+    b = pool.allocate(ALIGN)  # right after a
+    assert b is not None and b.start == a.start + a.nbytes
+    assert not pool.extend(a, 6 * ALIGN)  # b is in the way: refused, a unchanged
+    assert a.nbytes == 5 * ALIGN
+    pool.trim(a, ALIGN + 1)  # keeps two aligned units, gives back three
+    assert a.nbytes == 2 * ALIGN and a.length == ALIGN + 1
+    assert pool.in_use_bytes == 3 * ALIGN
+    c = pool.allocate(3 * ALIGN)  # best fit: the trimmed tail
+    assert c is not None and c.start == a.start + 2 * ALIGN
+    for block in (a, b, c):
+        pool.free(block)
+    assert pool.in_use_bytes == 0
+    for slab in pool._slabs:
+        assert slab.starts == [0] and slab.sizes == [slab.size]
