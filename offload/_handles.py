@@ -113,18 +113,19 @@ class Offloaded:
         self.step.handle_died(self.copy, self.group)
 
 
-class Gathered:
-    """A small contiguous tensor whose bytes travelled in a bucket: one host block, one
-    D2H and one H2D copy shared by the small tensors of one dtype saved together in a
-    layer call (Note [release order], 1(b)). ``copy`` is the bucket
+class Gathered(Offloaded):
+    """An :class:`Offloaded` small contiguous tensor whose bytes travelled in a bucket:
+    one host block, one D2H and one H2D copy shared by the small tensors of one dtype
+    saved together in a layer call (Note [release order], 1(b)). ``copy`` is the bucket
     (``_scheduler._Bucket``), ``index`` the tensor's number in it (its in-place poison
-    is recorded under it) and ``offset`` its first element in the bucket.
+    is recorded under it) and ``offset`` its first element in the bucket (elements of
+    ``dtype``, the bucket's).
 
     Hot path: once the bucket is reloaded and waited for (step 5 done), an unpack is
     one view of the reload buffer, made without the lock (a buffer dropped by another
     thread meanwhile stays valid: the view holds its storage)."""
 
-    __slots__ = ("step", "group", "copy", "index", "size", "stride", "offset")
+    __slots__ = ("index",)
 
     def __init__(
         self,
@@ -136,27 +137,27 @@ class Gathered:
         stride: tuple[int, ...],
         offset: int,
     ):
+        # Offloaded.__init__'s assignments, inlined (the pack hot path)
         self.step = step
         self.group = group
         self.copy = copy
-        self.index = index
+        self.dtype = copy.dtype
         self.size = size
         self.stride = stride
         self.offset = offset
+        self.whole = False
+        self.index = index
 
     def unpack(self) -> torch.Tensor:
-        bucket = self.copy
+        bucket: _Bucket = self.copy  # type: ignore[assignment]
         poisons = bucket.poisons
         if poisons is not None and self.index in poisons:
             raise RuntimeError(poisons[self.index])
         buffer = bucket.buffer
         if buffer is None or not bucket.waited:
-            buffer = self.step.reloaded_buffer(self)  # type: ignore[arg-type]
+            buffer = self.step.reloaded_buffer(self)
         # a fresh view of the reloaded bucket, never the bucket itself
         return buffer.as_strided(self.size, self.stride, self.offset)
-
-    def __del__(self) -> None:
-        self.step.handle_died(self.copy, self.group)
 
 
 class Pending:

@@ -239,7 +239,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (the pack hot path)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (Step._count_sent)
 
 
 _tensors_in = _packing.tensors_requiring_grad
@@ -891,7 +891,7 @@ class Step:
         end: int,
         wide: tuple[int, int] | None,
         contiguous: bool = False,
-    ) -> Kept | Offloaded | Gathered:
+    ) -> Kept | Offloaded:
         """Start the copy of bytes ``[start, end)`` of ``t``'s storage (or find the copy
         that already holds them) and return its handle (lock held). ``wide``: the span of
         the base of a view marked ``offload_base_tensor`` (``None``: looked up on ``t``).
@@ -940,18 +940,18 @@ class Step:
                     break
         if copy is not None and copy.owner != group.index:
             return self._keep("shared", group, t)  # transferred once, by its owner
-        total = storage.nbytes()
-        if (
-            contiguous
-            and copy is None
-            and start == 0
-            and end == total
-            and nbytes <= _GATHER_MAX_BYTES
-            and self.gathering
-        ):
-            gathered = self._gather(t, group, key, copies, version, dtype)
-            if gathered is not None:
-                return gathered
+        if copy is None:
+            total = storage.nbytes()
+            if (
+                contiguous
+                and start == 0
+                and end == total
+                and nbytes <= _GATHER_MAX_BYTES
+                and self.gathering
+            ):
+                gathered = self._gather(t, group, key, copies, version, dtype)
+                if gathered is not None:
+                    return gathered
         size, stride = t.size(), t.stride()
         whole = False  # Offloaded.whole
         if copy is None:
@@ -988,26 +988,13 @@ class Step:
             else:
                 copy.host_view = view = block.typed(torch.uint8, (sent,), (1,))
                 pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
-            queue = self.d2h_queue
-            queue.append(pair)
-            if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
-                self._flush_d2h(group, seal=False)
+            self._queue_d2h(pair, group, sent)
             group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
             else:
                 copies.append(copy)
-            group.stats.bytes_offloaded += sent
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
-            stats = self.stats
-            if codec is not None:
-                name += " as fp8"
-                stats.compress_bytes_before += span_bytes
-                stats.compress_bytes_after += sent
-            by_dtype = stats.bytes_by_dtype
-            by_dtype[name] = by_dtype.get(name, 0) + sent
+            self._count_sent(group, dtype, sent, span_bytes if codec is not None else None)
             group.copies[id(copy)] = copy  # its first user
             copy.users = 1
         else:
@@ -1067,8 +1054,6 @@ class Step:
                 bucket.end = grow // itemsize
                 return bucket
             self._seal(bucket)
-            if len(self.d2h_queue) >= _D2H_BATCH:
-                self._flush_d2h(group, seal=False)
         first = max(_GATHER_FIRST_BYTES, numel * itemsize)
         block = self.rt.pool.allocate(first)
         if block is None:
@@ -1100,14 +1085,37 @@ class Step:
         size = torch.Size((n,))
         bucket.spec = (dtype, size, (1,))
         bucket.host_view = view = block.typed(dtype, size, (1,))
-        self.d2h_queue.append((flat, view, None))
-        self.d2h_transient.append(flat)
-        self.groups[bucket.owner].stats.bytes_offloaded += nbytes
+        owner = self.groups[bucket.owner]
+        self.d2h_transient.append(flat)  # before the queue may be issued
+        self._queue_d2h((flat, view, None), owner, nbytes)
+        self._count_sent(owner, dtype, nbytes)
+
+    def _queue_d2h(
+        self, pair: tuple[torch.Tensor, torch.Tensor, torch.dtype | None], group: _Group, sent: int
+    ) -> None:
+        """Queue one D2H copy of ``sent`` bytes for ``group``, and issue the queue when
+        it holds a batch or this copy is large (Note [release order], 1; lock held)."""
+        queue = self.d2h_queue
+        queue.append(pair)
+        if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
+            self._flush_d2h(group, seal=False)
+
+    def _count_sent(
+        self, group: _Group, dtype: torch.dtype, sent: int, before: int | None = None
+    ) -> None:
+        """Count a copy of ``sent`` bytes of ``dtype`` made for ``group``; ``before``:
+        the span's bytes when the copy is compressed (``sent`` is its packed size)."""
+        group.stats.bytes_offloaded += sent
         name = _DTYPE_NAMES.get(dtype)
         if name is None:
             name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
-        by_dtype = self.stats.bytes_by_dtype
-        by_dtype[name] = by_dtype.get(name, 0) + nbytes
+        stats = self.stats
+        if before is not None:
+            name += " as fp8"
+            stats.compress_bytes_before += before
+            stats.compress_bytes_after += sent
+        by_dtype = stats.bytes_by_dtype
+        by_dtype[name] = by_dtype.get(name, 0) + sent
 
     def _release_members(self, bucket: _Bucket) -> int:
         """The release of a bucket's members (Note [release order], 3): the in-place
@@ -1355,7 +1363,7 @@ class Step:
                 self.rt.pool.h2d_fence = event
         group.reloaded = True
 
-    def reloaded_buffer(self, handle: Offloaded | Gathered) -> torch.Tensor:
+    def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
         """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
         (Note [release order], 5)."""
         rt = self.rt
