@@ -106,11 +106,14 @@ class Backend:
         fence: Any,
         times: Times | None = None,
         transient: list[torch.Tensor] | None = None,
+        ready: Any = None,
     ) -> None:
         """Copy each device ``src`` into its host ``dst``, after the work that produced
-        them (everything queued so far on the current stream). ``transient``: sources
-        the caller drops after the call (flat copies of gathered tensors); their memory
-        is not reused before their copies have read them."""
+        them: everything queued so far on the current stream, or, when ``ready`` is
+        given (a :meth:`mark_ready` made after the sources were produced), the work
+        queued before that mark. ``transient``: sources the caller drops after the call
+        (flat copies of gathered tensors); their memory is not reused before their
+        copies have read them."""
         start = time.perf_counter() if times is not None else 0.0
         if not _copy_exact(pairs):
             for src, dst, codec in pairs:
@@ -124,6 +127,11 @@ class Backend:
 
     def record_d2h(self) -> Any:
         """An event marking the end of every D2H copy issued so far."""
+        return None
+
+    def mark_ready(self) -> Any:
+        """A mark of the work queued so far on the current stream, for a later
+        :meth:`d2h` (``ready``) whose sources that work produced."""
         return None
 
     def alloc(self, sizes: list[Request], stream: Any) -> list[torch.Tensor]:
@@ -301,13 +309,17 @@ class CudaBackend(Backend):
         fence: Any,
         times: Times | None = None,
         transient: list[torch.Tensor] | None = None,
+        ready: Any = None,
     ) -> None:
         compute = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
         # 4.1(a): the copies start only after everything queued so far on the producing
-        # (current) stream, which includes the kernels that wrote the sources.
-        self._ready.record(compute)
-        stream.wait_event(self._ready)
+        # (current) stream, which includes the kernels that wrote the sources; or after
+        # the work before `ready`, recorded once they were written.
+        if ready is None:
+            ready = self._ready
+            ready.record(compute)
+        stream.wait_event(ready)
         if fence is not None and fence is not self._fence_waited:
             # 4.1(d): the host bytes may still be read by an earlier step's H2D. Once
             # the D2H stream waited for a fence, every later copy on it is behind it.
@@ -327,7 +339,7 @@ class CudaBackend(Backend):
                     continue
                 if codec_stream is None:
                     codec_stream, staging = self._codec_stream("d2h")
-                    codec_stream.wait_event(self._ready)  # 4.1(a) for the quantize kernels
+                    codec_stream.wait_event(ready)  # 4.1(a) for the quantize kernels
                 for part, packed in _chunks(src.view(codec), dst):
                     slot, i = staging.slot(packed.numel(), self.device, codec_stream, stream)
                     with torch.cuda.stream(codec_stream):
@@ -351,6 +363,9 @@ class CudaBackend(Backend):
 
     def record_d2h(self) -> torch.cuda.Event:
         return self.d2h_stream.record_event()
+
+    def mark_ready(self) -> torch.cuda.Event:
+        return torch.cuda.current_stream(self.device).record_event()
 
     def alloc(self, sizes: list[Request], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         # The caching allocator keeps one pool per stream: allocate in the pool of the

@@ -47,6 +47,23 @@ Forward, group g (the call of layer g), offloaded:
    when the last member's handle dies. Why: below about a MiB the host time of a copy
    of its own (allocating the block, issuing the copy, reloading it) exceeds the
    link's time, and small layers are paced by it.
+1(c). *The step's first layer call.* When group 0 (the forward's first layer call) is
+   offloaded, its saves are placed at its close instead of at save time (not in
+   captures, manual mode or measuring forwards). Why: the step starts with nothing
+   queued on the device (training loops often synchronise between steps), so every
+   microsecond the host spends in that call, placing a save and issuing its copy
+   (50-150 us for a large tensor on an H200's host), is a microsecond the device
+   waits; from the second call on the host is ahead and the same work is hidden. At
+   save time the handle is a ``Pending`` around a ``Kept`` (what an unpack before the
+   close gets), and a save of at least ``_D2H_EAGER_BYTES`` takes a mark of the
+   current stream (``Backend.mark_ready``, an event). At the close each save is placed
+   in order as in steps 1 and 1(b), with its version at save time (a change in place
+   in between poisons it at the release, step 3), and a copy issued while placing it
+   waits for its save's mark instead of a mark taken now: a large tensor's copy still
+   starts once its producer is done, smaller ones wait for the next mark (or one taken
+   at the close), and a bucket's flat copy always for a mark taken after the kernel
+   that wrote it. Nothing is released before the close, so holding the tensors until
+   then costs no memory.
 2. *Close.* When the layer's forward ends, an event is recorded on the D2H stream: it
    completes when every copy of the group (and of earlier groups) has landed.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g is the j-th of the
@@ -403,6 +420,7 @@ class _Group:
         "candidates",
         "held",
         "phase",
+        "deferred",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -432,6 +450,9 @@ class _Group:
         self.held: list[tuple[Any, int, int, tuple[int, int] | None, int]] = []
         #: manual mode: "saved", "offload_started", "released", "reload_started"
         self.phase = "saved"
+        #: the step's first layer call: saves placed at its close (Note [release
+        #: order], 1(c)): (handle, tensor, ready mark or None); None: placed at save
+        self.deferred: list[tuple[Pending, torch.Tensor, Any]] | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -562,6 +583,9 @@ class Step:
         #: small tensors travel in buckets (Note [release order], 1(b)): not with
         #: compression, in captures or in manual mode (set when a group opens)
         self.gathering = False
+        #: while deferred saves are placed (1(c)): the mark after the one being placed
+        #: was produced, for the D2H copies issued then (None: mark now)
+        self.d2h_ready: Any = None
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -597,6 +621,8 @@ class Step:
             stream = self.backend.current_stream() if self.backend is not None else None
             self.gathering = not (self.compress or self.capture or self.manual)
             group = _Group(index, module, offload, stream)
+            if offload and index == 0 and not (self.capture or self.manual or self.probe):
+                group.deferred = []  # Note [release order], 1(c)
             if self.cfg.timing:
                 group.times = []
             self.groups.append(group)
@@ -636,6 +662,8 @@ class Step:
                 return
             self.open = None
             group.closed = True
+            if group.deferred is not None:
+                self._place_deferred(group)
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
@@ -676,6 +704,8 @@ class Step:
         """The forward ended normally: release what is left (Note [release order], 3)."""
         with self.rt.lock:
             self.rt.drain()
+            if self.open is not None and self.open.deferred is not None:
+                self._place_deferred(self.open)
             self._flush_d2h(self.open)
             self.open = None
             self.forward_done = True
@@ -701,6 +731,8 @@ class Step:
             self.aborted = True
             self.backward_done = True
             self.pending = []
+            for group in self.groups:
+                group.deferred = None  # their handles keep the tensors (Kept)
             self.d2h_queue = []  # never issued: their host blocks are freed below
             self.d2h_transient = []
             self.buckets = {}
@@ -813,7 +845,31 @@ class Step:
                 self.pending.append((handle, t))  # decided when the next group opens
                 return handle
             return self._keep("outside_layers", None, t)
+        deferred = group.deferred
+        if deferred is not None:  # the step's first layer call (1(c))
+            handle = Pending(Kept(t))
+            ready = None
+            if t.is_cuda and t.numel() * t.element_size() >= _D2H_EAGER_BYTES:
+                ready = self.rt.backend(t.device).mark_ready()
+            deferred.append((handle, t, ready))
+            return handle
         return self._place(t, group)
+
+    def _place_deferred(self, group: _Group) -> None:
+        """Place the saves of ``group`` held back at save time (Note [release order],
+        1(c); lock held). Each is placed as it would have been then: with its version
+        at save time, and its copy ordered after the mark taken then."""
+        items, group.deferred = group.deferred, None
+        try:
+            for handle, t, ready in items:  # type: ignore[union-attr]
+                version = handle.inner.version  # type: ignore[union-attr]
+                self.d2h_ready = ready
+                inner = self._place(t, group, version)
+                if type(inner) is Kept:
+                    inner.version = version
+                handle.inner = inner
+        finally:
+            self.d2h_ready = None
 
     def _keep(self, reason: str, group: _Group | None, t: torch.Tensor) -> Kept:
         """Keep ``t`` on the device, counted under ``reason``."""
@@ -821,8 +877,11 @@ class Step:
         kept[reason] += _nbytes(t)
         return Kept(t)
 
-    def _place(self, t: torch.Tensor, group: _Group) -> Kept | Offloaded:
+    def _place(
+        self, t: torch.Tensor, group: _Group, version: int | None = None
+    ) -> Kept | Offloaded:
         """Keep ``t`` on the device with a reason, or start its copy to the host.
+        ``version``: ``t``'s version when it was saved (default: now).
 
         Hot path (Note [release order], 1): every check below runs for every tensor, in
         this order; what is computed once (the storage, the span) is reused."""
@@ -880,7 +939,7 @@ class Step:
         if self.manual and group.phase == "saved":
             # the held alias will have no _base: take the base's span now
             return self._hold(t, group, start, end, _base_span(t))
-        return self._copy(t, group, storage, start, end, None, contiguous)
+        return self._copy(t, group, storage, start, end, None, contiguous, version)
 
     def _copy(
         self,
@@ -891,14 +950,17 @@ class Step:
         end: int,
         wide: tuple[int, int] | None,
         contiguous: bool = False,
+        version: int | None = None,
     ) -> Kept | Offloaded:
         """Start the copy of bytes ``[start, end)`` of ``t``'s storage (or find the copy
         that already holds them) and return its handle (lock held). ``wide``: the span of
         the base of a view marked ``offload_base_tensor`` (``None``: looked up on ``t``).
         ``contiguous``: ``t.is_contiguous()``, when known to be true (a candidate for
-        its group's bucket, Note [release order], 1(b))."""
+        its group's bucket, Note [release order], 1(b)). ``version``: ``t``'s version
+        when it was saved (default: now)."""
         nbytes = end - start
-        version = t._version
+        if version is None:
+            version = t._version
         key = storage._cdata
         copies = self.storages.get(key)
         copy = None
@@ -1172,7 +1234,10 @@ class Step:
             transient, self.d2h_transient = self.d2h_transient, []
             times = group.times if group is not None else None
             fence = None if self.capture else self.rt.pool.h2d_fence
-            self.backend.d2h(queue, fence, times, transient)  # type: ignore[union-attr]
+            # a flat copy of a bucket was written just now: only a mark taken now
+            # orders its copy after the kernel that wrote it
+            ready = None if transient else self.d2h_ready
+            self.backend.d2h(queue, fence, times, transient, ready)  # type: ignore[union-attr]
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
@@ -1288,6 +1353,8 @@ class Step:
         """``offload.start_offload``: issue the queued D2H copies now if one of them
         reads the storage of one of ``tensors``; returns whether it did."""
         with self.rt.lock:
+            if self.open is not None and self.open.deferred is not None:
+                self._place_deferred(self.open)
             queue = self.d2h_queue
             if not queue and not self.buckets:
                 return False

@@ -234,6 +234,10 @@ class ActivationOffloader:
         self._last: Step | None = None  # the most recent forward (its stats)
         self._unfinished: list[Step] = []  # earlier forwards whose backward has not run
         self._hooks: list[Any] = []
+        #: attachments that keep the layer hooks registered between forwards (attach())
+        self._hook_holders = 0
+        #: the Step of the next forward, made when the last one ended (_prepare_next)
+        self._next: Step | None = None
         self._saved_hooks: Any = None
         #: our saved-tensor hooks are popped for the layer call in progress (a call
         #: that is not offloaded: ``_layer_start``)
@@ -250,11 +254,26 @@ class ActivationOffloader:
 
     # ---- the context ----------------------------------------------------------------
 
-    def _new_step(self) -> Step:
+    def _make_step(self) -> Step:
         """A Step planned for the calls of the last complete forward (of ``layers`` at
         first): which calls are offloaded depends only on their position in a forward."""
         plan = plan_forward(self.config.offload_layers, self._calls, self.config.prefetch_layers)
-        step = Step(self._runtime, plan)
+        return Step(self._runtime, plan)
+
+    def _prepare_next(self) -> None:
+        """Make the next forward's Step now, at the end of this forward: the host is
+        then ahead of the device (the forward's kernels are still queued), while at the
+        next entry every microsecond of host work delays the step's first kernels. The
+        Step depends only on ``self._calls`` and the (frozen) config, and only
+        ``_end_forward`` changes ``_calls``: call this after it."""
+        self._next = self._make_step()
+
+    def _new_step(self) -> Step:
+        """The Step of the forward that starts now: the one prepared when the last
+        forward ended, or a new one."""
+        step, self._next = self._next, None
+        if step is None:
+            step = self._make_step()
         if _device.capturing():  # a whole-step CUDA graph (Note [release order])
             step.capture = "step"
         self._step = self._last = step
@@ -283,15 +302,13 @@ class ActivationOffloader:
             self._unfinished = _prune(self._unfinished)
             self._groups_this_entry = 0
             self._new_step()
-            for module in dict.fromkeys(self._layers):  # each module once, in order
-                self._hooks.append(
-                    module.register_forward_pre_hook(self._layer_start, with_kwargs=True)
-                )
-                self._hooks.append(module.register_forward_hook(self._layer_end, with_kwargs=True))
+            if not self._hooks:  # registered already while attached (attach())
+                self._add_layer_hooks()
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
-            self._remove_layer_hooks()
+            if not self._hook_holders:
+                self._remove_layer_hooks()
             self._step = None
             _release_thread(self)
             raise
@@ -304,6 +321,7 @@ class ActivationOffloader:
         try:
             if exc_type is None:
                 self._end_forward(step)
+                self._prepare_next()
                 if self._groups_this_entry == 0:
                     self._warn_once(
                         "not_called",
@@ -317,7 +335,8 @@ class ActivationOffloader:
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
         finally:
-            self._remove_layer_hooks()
+            if not self._hook_holders:
+                self._remove_layer_hooks()
             hooks, self._saved_hooks = self._saved_hooks, None
             _release_thread(self)
             if self._aside:  # a layer that is not offloaded raised: our hooks are off
@@ -325,10 +344,37 @@ class ActivationOffloader:
             elif hooks is not None:
                 hooks.__exit__(exc_type, exc, tb)
 
+    def _add_layer_hooks(self) -> None:
+        """Register the layer-boundary hooks: a forward pre-hook and a forward hook on
+        each layer. ``with offloader:`` registers them at entry and removes them at exit
+        (nothing of the offloader stays on the modules); while the offloader is attached
+        to a model they stay registered between forwards (outside a forward they return
+        at once), which takes their registration off the step's start."""
+        for module in dict.fromkeys(self._layers):  # each module once, in order
+            self._hooks.append(
+                module.register_forward_pre_hook(_AttachHook(self._layer_start), with_kwargs=True)
+            )
+            self._hooks.append(
+                module.register_forward_hook(_AttachHook(self._layer_end), with_kwargs=True)
+            )
+
     def _remove_layer_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def _hold_layer_hooks(self, hold: bool) -> None:
+        """An attachment starts (``hold``) or stops keeping the layer hooks registered
+        between forwards; the last one to stop removes them unless a forward is running
+        (its exit does)."""
+        if hold:
+            self._hook_holders += 1
+            if not self._hooks:
+                self._add_layer_hooks()
+            return
+        self._hook_holders -= 1
+        if not self._hook_holders and self._step is None:
+            self._remove_layer_hooks()
 
     def _pack(self, t: torch.Tensor) -> Any:
         return self._step.pack(t)  # type: ignore[union-attr]
@@ -447,6 +493,7 @@ class ActivationOffloader:
         if self._closed:
             return
         self._closed = True
+        self._next = None
         self._runtime.close()
 
     def free_graph_memory(self) -> int:
@@ -487,9 +534,14 @@ class ActivationOffloader:
         everything the failed forward offloaded and removes the hooks the context
         installed. (A ``KeyboardInterrupt`` bypasses module hooks: after catching one
         during a forward, call ``handle.remove()``, which leaves the context the same
-        way.) The backward runs outside the context, as usual. Whatever the
-        forward computes after the layers (the loss of a Hugging Face ``*ForCausalLM``)
-        is inside the context and stays on the device (reason ``outside_layers``).
+        way.) While attached, each of ``layers`` also keeps the offloader's two
+        layer hooks between forwards (``with offloader:`` alone registers them at entry
+        and removes them at exit): they return at once outside a training forward, and
+        registering them once takes that work off every step's start. ``remove()``
+        takes them off with the model's. The backward runs outside the context, as usual.
+        Whatever the forward computes after the layers (the loss of a Hugging Face
+        ``*ForCausalLM``) is inside the context and stays on the device (reason
+        ``outside_layers``).
 
         A forward is left alone (nothing entered, nothing left) when:
 
@@ -1262,6 +1314,7 @@ class AttachHandle:
             model.register_forward_pre_hook(_AttachHook(self._forward_start), prepend=True),
             model.register_forward_hook(_AttachHook(self._forward_end), always_call=True),
         ]
+        offloader._hold_layer_hooks(True)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -1314,6 +1367,7 @@ class AttachHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._offloader._hold_layer_hooks(False)
         attachments = self._offloader.__dict__.get("_attachments", [])
         attachments[:] = [r for r in attachments if r() is not None and r() is not self]
         frames = self._frames()
@@ -1339,8 +1393,9 @@ class AttachHandle:
 
 
 class _AttachHook:
-    """One hook of an attachment. A copy of the model (``copy.deepcopy``: reference or
-    EMA models; pickling) gets an inert hook instead of a copy of the offloader."""
+    """One hook the offloader puts on a module (an attachment's, or a layer's). A copy
+    of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
+    hook instead of a copy of the offloader."""
 
     __slots__ = ("fn",)
 

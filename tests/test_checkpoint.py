@@ -377,8 +377,8 @@ class _EventLog(offload._device.SyncBackend):
     def current_stream(self) -> str:
         return "compute"
 
-    def d2h(self, pairs, fence, times=None, transient=None) -> None:
-        super().d2h(pairs, fence, times, transient)
+    def d2h(self, pairs, fence, times=None, transient=None, ready=None) -> None:
+        super().d2h(pairs, fence, times, transient, ready)
         self.log.append(("d2h", fence))
 
     def record_d2h(self):

@@ -89,9 +89,9 @@ def test_captured_step_never_waits_for_or_sets_the_fence(capturing: list[bool]) 
     backend = rt.backend(torch.device("cpu"))
     original = backend.d2h
 
-    def d2h(pairs, fence, times=None, transient=None):
+    def d2h(pairs, fence, times=None, transient=None, ready=None):
         seen.append(fence)
-        return original(pairs, fence, times, transient)
+        return original(pairs, fence, times, transient, ready)
 
     backend.d2h = d2h  # type: ignore[method-assign]
     sentinel = object()

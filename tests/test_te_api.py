@@ -492,9 +492,12 @@ def test_start_offload_outside_any_context_only_marks() -> None:
 
 
 def _queued(step) -> int:
-    """Saved tensors whose D2H copy is not issued yet: queued, or in an open bucket of
-    small tensors (gathered copies)."""
-    return len(step.d2h_queue) + sum(len(b.sources) for b in step.buckets.values())
+    """Saved tensors whose D2H copy is not issued yet: queued, in an open bucket of
+    small tensors (gathered copies), or held back by the step's first layer call (placed
+    at its close, Note [release order], 1(c); one copy per storage)."""
+    deferred = step.open.deferred if step.open is not None else None
+    held = len({t.untyped_storage()._cdata for _, t, _ in deferred or ()})
+    return len(step.d2h_queue) + sum(len(b.sources) for b in step.buckets.values()) + held
 
 
 def test_start_offload_issues_the_queued_copy() -> None:

@@ -766,7 +766,7 @@ class LateBackend(Backend):
     def current_stream(self):
         return self.stream
 
-    def d2h(self, pairs, fence, times=None, transient=None):
+    def d2h(self, pairs, fence, times=None, transient=None, ready=None):
         if fence is not None:
             fence.run()
         self.pending.extend(pairs)

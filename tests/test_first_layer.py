@@ -1,0 +1,214 @@
+"""The step's first layer call places its saves at its close (offload/_scheduler.py,
+Note [release order], 1(c)), and the offloader prepares the next forward's Step when a
+forward ends. Every test compares against the model without offloading with
+``torch.equal`` and checks that the first layer really was offloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload._handles import Kept, Offloaded, Pending
+
+from . import models
+
+
+class Probe(nn.Module):
+    """A block that reports, after its first save, what the offloader's open group holds
+    (``seen``), and optionally asks autograd for a gradient inside its own forward or
+    changes a saved tensor in place."""
+
+    def __init__(self, dim: int = 32, grad_inside: bool = False, inplace: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+        self.off: offload.ActivationOffloader | None = None
+        #: (group index, saves held back or -1, storages placed in the step so far)
+        self.seen: list[tuple[int, int, int]] = []
+        self.grad_inside = grad_inside
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(self.fc1(x))  # sin saves fc1's output
+        step = self.off._step if self.off is not None else None
+        if step is not None and step.open is not None:
+            g = step.open
+            held = -1 if g.deferred is None else len(g.deferred)
+            self.seen.append((g.index, held, len(step.storages)))
+        if self.grad_inside:
+            # an unpack before the layer closes: the saved tensor is still the original
+            (d,) = torch.autograd.grad(h.sum(), self.fc1.weight, retain_graph=True)
+            h = h + 0 * d.sum()
+        y = self.fc2(h)
+        if self.inplace:
+            h.mul_(2)  # h was saved by fc2 (its input): backward must refuse
+        return y
+
+
+def _layers(n: int = 3, **kw) -> nn.ModuleList:
+    """``n`` Probe blocks; ``kw`` applies to the first one only."""
+    torch.manual_seed(0)
+    return nn.ModuleList(Probe(**(kw if i == 0 else {})) for i in range(n))
+
+
+def test_first_layer_places_its_saves_at_its_close() -> None:
+    layers = _layers()
+    ref = models.twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=[0, 1], min_tensor_bytes=0)
+    for layer in layers:
+        layer.off = off
+    x = torch.randn(16, 32)
+    for _ in range(2):  # the second step uses the Step prepared when the first ended
+        got = models.step(layers, x, models.run_plain, off)
+        models.assert_same(got, models.step(ref, x, models.run_plain))
+        # group 0: its saves (input, weight view, fc1's output) held back, nothing
+        # placed yet; group 1: placed at save time
+        assert layers[0].seen[-1] == (0, 3, 0)
+        index, held, placed = layers[1].seen[-1]
+        assert (index, held) == (1, -1) and placed > 0
+        stats = off.stats
+        assert stats.layers[0].bytes_offloaded > 0  # placed at the close
+        assert stats.layers[1].bytes_offloaded > 0
+        assert stats.host_pool_bytes == 0
+
+
+def test_only_an_offloaded_first_call_defers() -> None:
+    layers = _layers()
+    off = offload.ActivationOffloader(layers, offload_layers=[1], min_tensor_bytes=0)
+    for layer in layers:
+        layer.off = off
+    got = models.step(layers, torch.randn(16, 32), models.run_plain, off)
+    assert got[0].isfinite()
+    index, held, placed = layers[1].seen[-1]
+    assert (index, held) == (1, -1) and placed > 0
+    assert off.stats.layers[1].bytes_offloaded > 0
+
+
+def test_unpack_before_the_close_gets_the_original() -> None:
+    layers = _layers(grad_inside=True)
+    ref = models.twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=[0, 1], min_tensor_bytes=0)
+    x = torch.randn(16, 32)
+    got = models.step(layers, x, models.run_plain, off)
+    models.assert_same(got, models.step(ref, x, models.run_plain))
+    assert off.stats.layers[0].bytes_offloaded > 0
+
+
+def test_change_in_place_after_the_save_raises_like_autograd() -> None:
+    layers = _layers(inplace=True)
+    ref = models.twin(layers)
+    x = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        models.step(ref, x, models.run_plain)
+    off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        models.step(layers, x, models.run_plain, off)
+    assert off.stats.layers[0].bytes_offloaded > 0
+    del plain
+
+
+def test_kept_save_keeps_its_version_at_save_time() -> None:
+    """A deferred save that stays on the device (below ``min_tensor_bytes``) is checked
+    against its version at save time, not at the close."""
+    layers = _layers(inplace=True)
+    off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=1 << 30)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        models.step(layers, torch.randn(16, 32), models.run_plain, off)
+    assert off.stats.layers[0].bytes_kept["small"] > 0
+
+
+def test_exception_in_the_first_layer_frees_everything() -> None:
+    layers = _layers()
+    off = offload.ActivationOffloader(layers, offload_layers=[0, 1], min_tensor_bytes=0)
+    for layer in layers:
+        layer.off = off
+
+    def boom(module, args, output):
+        raise ValueError("failure")
+
+    h = layers[0].fc2.register_forward_hook(boom)
+    with pytest.raises(ValueError, match="failure"):
+        with off:
+            models.run_plain(layers, torch.randn(16, 32))
+    h.remove()
+    index, held, placed = layers[0].seen[-1]
+    assert index == 0 and held > 0 and placed == 0  # it failed with saves held back
+    step = off._last
+    assert step.aborted and all(g.deferred is None for g in step.groups)
+    assert off.stats.host_pool_bytes == 0
+    # the next step works and is exact
+    for layer in layers:
+        layer.off = None  # a twin copies no offloader
+    ref = models.twin(layers)
+    x = torch.randn(16, 32)
+    got = models.step(layers, x, models.run_plain, off)
+    models.assert_same(got, models.step(ref, x, models.run_plain))
+    assert off.stats.layers[0].bytes_offloaded > 0
+
+
+def test_deferred_handles_wrap_the_saved_tensor_until_the_close() -> None:
+    layers = _layers(n=2)
+    off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
+    handles: list[tuple[Pending, Kept]] = []
+    with off:
+        step = off._step
+        original = step.pack
+
+        def pack(t):
+            handle = original(t)
+            if type(handle) is Pending and step.open is not None and step.open.index == 0:
+                assert type(handle.inner) is Kept and handle.inner.tensor is not t
+                handles.append((handle, handle.inner))
+            return handle
+
+        step.pack = pack  # type: ignore[method-assign]
+        loss = models.run_plain(layers, torch.randn(16, 32)).sum()
+    assert len(handles) >= 2
+    assert all(h.inner is not at_save for h, at_save in handles)  # placed at the close
+    assert any(isinstance(h.inner, Offloaded) for h, _ in handles)
+    loss.backward()
+    assert off.stats.layers[0].bytes_offloaded > 0
+
+
+def test_next_step_is_prepared_when_a_forward_ends() -> None:
+    layers = _layers()
+    off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
+    assert off._next is None
+    with off:
+        models.run_plain(layers, torch.randn(16, 32)).sum().backward()
+    prepared = off._next
+    assert prepared is not None and not prepared.groups
+    with off:
+        assert off._step is prepared and off._next is None
+        models.run_plain(layers, torch.randn(16, 32)).sum().backward()
+    with pytest.raises(ValueError):
+        with off:
+            raise ValueError("a failed forward prepares nothing")
+    assert off._next is None
+    off.close()
+    assert off._next is None
+
+
+def test_attached_layers_keep_their_hooks_between_forwards() -> None:
+    """While attached, the layer hooks stay registered (not re-registered at every
+    forward); removing the attachment takes them off."""
+    layers = _layers()
+    model = nn.Sequential(*layers)
+    ref = models.twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=[0, 1], min_tensor_bytes=0)
+    handle = off.attach(model)
+    hooks = [dict(m._forward_pre_hooks) for m in layers]
+    assert all(len(h) == 1 for h in hooks)
+    x = torch.randn(16, 32)
+    for _ in range(2):
+        got = models.step(layers, x, lambda ls, v: model(v))
+        models.assert_same(got, models.step(ref, x, models.run_plain))
+        assert off.stats.layers[0].bytes_offloaded > 0
+        assert [dict(m._forward_pre_hooks) for m in layers] == hooks  # the same hooks
+    with torch.no_grad():  # outside a training forward they do nothing
+        model(x)
+    handle.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+    off.close()
