@@ -94,9 +94,10 @@ Columns of the targets table:
 
 4. For the three fractional budgets, the plan and ``no lever`` again, in alternating
    blocks: ``--ab-rounds`` rounds (default 4), each a block of each (the first of a round
-   alternating: no lever first in even rounds), a block being ``--warmup`` unmeasured
-   then ``--ab-steps`` timed steps (default 5), with one ``free_cached`` before the
-   first block only. ``A/B x none`` = median of the plan's pooled timed steps / median
+   alternating: no lever first in even rounds), a block being ``--ab-warmup``
+   unmeasured steps (default 4: a plan applied again makes a new offloader, whose first
+   steps allocate its pinned host memory) then ``--ab-steps`` timed steps (default 5),
+   with one ``free_cached`` before the first block only. ``A/B x none`` = median of the plan's pooled timed steps / median
    of no lever's. Why: on the H200 the step time of one configuration moves by up to
    +20 % for two or three steps about every ten steps (every configuration, offloaded
    or not, with or without emptying the allocator's cache first: a device-side cycle,
@@ -232,8 +233,8 @@ def interleaved(
 ) -> dict[str, Any]:
     """``no lever`` and ``plan`` measured in alternating blocks (step 4 of the module
     docstring): ``--ab-rounds`` rounds of two blocks, the first of each round
-    alternating (ABBA...), each block ``--warmup`` unmeasured and ``--ab-steps`` timed
-    steps; one ``free_cached`` before the first block only. The ratio is the median of
+    alternating (ABBA...), each block ``--ab-warmup`` unmeasured and ``--ab-steps``
+    timed steps; one ``free_cached`` before the first block only. The ratio is the median of
     the plan's pooled steps over the median of no lever's."""
     none = Plan(model.layers, ["keep"] * len(model.layers))
     free_cached(args.device)
@@ -243,7 +244,8 @@ def interleaved(
         for name, p in order if r % 2 == 0 else order[::-1]:
             p.apply(model)
             try:
-                times[name] += measure(step, args.device, args.ab_steps, args.warmup)["times_ms"]
+                block = measure(step, args.device, args.ab_steps, args.ab_warmup)
+                times[name] += block["times_ms"]
             finally:
                 p.remove()
     none_ms, plan_ms = median(times["none"]), median(times["plan"])
@@ -560,6 +562,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ab-steps", type=int, default=5, help="timed steps per block of those rounds (>= 1)"
     )
+    parser.add_argument(
+        "--ab-warmup",
+        type=int,
+        default=4,
+        help="unmeasured steps at the start of each block (>= 1): a plan applied again "
+        "makes a new offloader, whose first steps allocate its pinned host memory",
+    )
     parser.add_argument("--plan-steps", type=int, default=3, help="steps= of offload.plan")
     parser.add_argument("--plan-warmup", type=int, default=1, help="warmup= of offload.plan")
     parser.add_argument(
@@ -584,9 +593,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: at least 5 timed steps")
     if args.warmup < 1:
         parser.error(f"--warmup {args.warmup}: at least 1 (gradients must exist)")
-    if args.ab_rounds < 0 or args.ab_steps < 1:
+    if args.ab_rounds < 0 or args.ab_steps < 1 or args.ab_warmup < 1:
         parser.error(
-            f"--ab-rounds {args.ab_rounds} / --ab-steps {args.ab_steps}: rounds >= 0, steps >= 1"
+            f"--ab-rounds {args.ab_rounds} / --ab-steps {args.ab_steps} / --ab-warmup "
+            f"{args.ab_warmup}: rounds >= 0, steps >= 1, warm-up >= 1"
         )
     args.model = QUICK if args.quick else ModelConfig()
     args.allowed = LEVERS if args.levers == "all" else DEFAULT_LEVERS
@@ -623,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "plan_warmup": args.plan_warmup,
             "ab_rounds": args.ab_rounds,
             "ab_steps": args.ab_steps,
+            "ab_warmup": args.ab_warmup,
             "compress": args.compress,
             "min_tensor_bytes": args.min_tensor_bytes,
             "levers": list(args.allowed),
