@@ -352,10 +352,10 @@ class ActivationOffloader:
         at once), which takes their registration off the step's start."""
         for module in dict.fromkeys(self._layers):  # each module once, in order
             self._hooks.append(
-                module.register_forward_pre_hook(_AttachHook(self._layer_start), with_kwargs=True)
+                module.register_forward_pre_hook(_ModuleHook(self._layer_start), with_kwargs=True)
             )
             self._hooks.append(
-                module.register_forward_hook(_AttachHook(self._layer_end), with_kwargs=True)
+                module.register_forward_hook(_ModuleHook(self._layer_end), with_kwargs=True)
             )
 
     def _remove_layer_hooks(self) -> None:
@@ -1311,8 +1311,8 @@ class AttachHandle:
         # offloader free enters it, nested calls only push a frame.
         self._local = threading.local()
         self._hooks = [
-            model.register_forward_pre_hook(_AttachHook(self._forward_start), prepend=True),
-            model.register_forward_hook(_AttachHook(self._forward_end), always_call=True),
+            model.register_forward_pre_hook(_ModuleHook(self._forward_start), prepend=True),
+            model.register_forward_hook(_ModuleHook(self._forward_end), always_call=True),
         ]
         offloader._hold_layer_hooks(True)
 
@@ -1392,7 +1392,7 @@ class AttachHandle:
         return f"AttachHandle({name}, {state})"
 
 
-class _AttachHook:
+class _ModuleHook:
     """One hook the offloader puts on a module (an attachment's, or a layer's). A copy
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
@@ -1406,8 +1406,8 @@ class _AttachHook:
         if self.fn is not None:
             self.fn(*args)
 
-    def __deepcopy__(self, memo: Any) -> _AttachHook:
-        return _AttachHook(None)
+    def __deepcopy__(self, memo: Any) -> _ModuleHook:
+        return _ModuleHook(None)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_AttachHook, (None,))
+        return (_ModuleHook, (None,))
