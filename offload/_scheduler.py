@@ -56,8 +56,9 @@ Forward, group g (the call of layer g), offloaded:
    waits; from the second call on the host is ahead and the same work is hidden. At
    save time the handle is a ``Pending`` around a ``Kept`` (what an unpack before the
    close gets), and a save of at least ``_D2H_EAGER_BYTES`` takes a mark of the
-   current stream (``Backend.mark_ready``, an event). At the close each save is placed
-   in order as in steps 1 and 1(b), with its version at save time (a change in place
+   current stream (``Backend.mark_ready``, an event). At the close, or earlier where
+   the group's copies are issued with its buckets sealed (``_flush_d2h``: the end of
+   the forward, ``start_offload``), each save is placed in order as in steps 1 and 1(b), with its version at save time (a change in place
    in between poisons it at the release, step 3), and a copy issued while placing it
    waits for its save's mark instead of a mark taken now: a large tensor's copy still
    starts once its producer is done, smaller ones wait for the next mark (or one taken
@@ -662,8 +663,6 @@ class Step:
                 return
             self.open = None
             group.closed = True
-            if group.deferred is not None:
-                self._place_deferred(group)
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
@@ -704,8 +703,6 @@ class Step:
         """The forward ended normally: release what is left (Note [release order], 3)."""
         with self.rt.lock:
             self.rt.drain()
-            if self.open is not None and self.open.deferred is not None:
-                self._place_deferred(self.open)
             self._flush_d2h(self.open)
             self.open = None
             self.forward_done = True
@@ -1224,10 +1221,14 @@ class Step:
 
     def _flush_d2h(self, group: _Group | None, seal: bool = True) -> None:
         """Issue the queued D2H copies, those of the open buckets first unless ``seal``
-        is false (lock held)."""
-        if seal and self.buckets:
-            for bucket in list(self.buckets.values()):
-                self._seal(bucket)
+        is false (lock held). Sealing also places ``group``'s held-back saves first
+        (Note [release order], 1(c))."""
+        if seal:
+            if group is not None and group.deferred is not None:
+                self._place_deferred(group)
+            if self.buckets:
+                for bucket in list(self.buckets.values()):
+                    self._seal(bucket)
         queue = self.d2h_queue
         if queue:
             self.d2h_queue = []
