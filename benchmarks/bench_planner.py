@@ -55,8 +55,9 @@ Steps of the run:
    ``plan.replan(budget, step_fn=step, model=model)``: the measuring happens once, and
    each budget's choice is checked as ``offload.plan(verify=True)`` checks it (the
    fastest predicted plans applied in turn until one's measured peak fits, then up to
-   three more predicted within 3 % of it measured, and the fastest measured that fits
-   kept; every check is in the JSON and printed).
+   three more predicted within 3 % of it measured; when one of those fits too, every
+   plan that fits is measured again in two rounds of alternating order and the fastest
+   pooled median kept; every check is in the JSON and printed).
 3. For each budget: 75%, 50%, 25% of ``costs.activation_bytes`` (the planner's own
    measured activation peak without levers), and ``act peak`` of ``checkpoint 8``
    (checkpoint every layer) from step 1: the chosen plan is applied and measured.
@@ -729,7 +730,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"{ch['predicted_seconds'] * 1e3:.1f} ms, measured "
                         f"{ch['measured_seconds'] * 1e3:.1f} ms, "
                         f"{ch['measured_bytes'] / 2**30:.2f} GiB"
-                        f"{'' if ch['fits'] else ' (over)'}{' rival' if ch['rival'] else ''}",
+                        f"{'' if ch['fits'] else ' (over)'}{' rival' if ch['rival'] else ''}"
+                        + (
+                            f", pooled {ch['pooled_seconds'] * 1e3:.1f} ms"
+                            if "pooled_seconds" in ch
+                            else ""
+                        ),
                         file=sys.stderr,
                     )
             else:

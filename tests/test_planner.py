@@ -464,7 +464,7 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
 
     def fake_run(step_fn, steps, warmup):
         step_fn()
-        return {"seconds": 1.0, "peak_bytes": next(measured)}
+        return {"seconds": 1.0, "peak_bytes": next(measured), "times": [1.0] * steps}
 
     monkeypatch.setattr(_planner, "_run", fake_run)
     calls = []
@@ -479,7 +479,9 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     checks = got.measured["checks"]
     assert [ch["fits"] for ch in checks] == [False, True] and len(calls) == 2
     assert not any("forward" in layer.__dict__ for layer in layers)  # trials removed
-    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget})
+    monkeypatch.setattr(
+        _planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget, "times": [1.0]}
+    )
     with pytest.raises(ValueError, match="measured above it"):
         base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
 
@@ -504,7 +506,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
         return apply(self, model)
 
     def fake_run(step_fn, steps, warmup):
-        return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error}
+        return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error, "times": [1.0]}
 
     monkeypatch.setattr(_planner, "_run", fake_run)
     monkeypatch.setattr(Plan, "apply", recording_apply)
@@ -530,7 +532,11 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
     base = Plan(layers, ["keep"] * 4, costs=c, budget_bytes=None, min_tensor_bytes=0)
     measured = iter([budget * 3, budget * 0.99])
-    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": next(measured)})
+    monkeypatch.setattr(
+        _planner,
+        "_run",
+        lambda *a: {"seconds": 1.0, "peak_bytes": next(measured), "times": [1.0]},
+    )
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert got.levers == ranked[1][1]
     assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
@@ -538,14 +544,17 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
 
 def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     """After a plan fits, the next plans predicted within VERIFY_CLOSE of it are
-    measured too; the fastest measured that fits is kept (by at least VERIFY_GAIN), a
-    faster one over the budget is not, and plans predicted further away are not
-    measured at all."""
+    measured too; the plans that fit are measured again in VERIFY_ROUNDS rounds of
+    alternating order and the fastest pooled median is kept (by at least VERIFY_GAIN
+    over the model's choice); a faster plan over the budget is not re-measured or kept,
+    a rival that only measured fast once loses, and plans predicted further away are
+    not measured at all."""
     c = _costs(L=6, bps=20e9)
     budget = c.memory(["keep"] * 6) * 0.55
     ranked = _planner.candidates(c, budget)
     close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + _planner.VERIFY_CLOSE)]
     assert len(close) >= 3, ranked[:5]  # the test needs three rivals
+    assert _planner.VERIFY_ROUNDS == 2
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
     base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
     tried: list[list[str]] = []
@@ -555,32 +564,62 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
         tried.append(list(self.levers))
         return apply(self, model)
 
-    # the model's choice 1.0 s; rival 1: 20 % faster but over the budget; rival 2:
-    # 10 % faster; rival 3: faster than rival 2 by less than VERIFY_GAIN
-    measured = iter(
-        [(1.0, budget * 0.9), (0.8, budget * 1.1), (0.9, budget * 0.9), (0.899, budget * 0.5)]
-    )
+    def run_with(table):
+        """``table``: levers -> (peak, seconds of each block in turn)."""
+        blocks: dict[tuple[str, ...], int] = {}
 
-    def fake_run(step_fn, steps, warmup):
-        assert steps == 3
-        seconds, peak = next(measured)
-        return {"seconds": seconds, "peak_bytes": peak}
+        def fake_run(step_fn, steps, warmup):
+            assert steps == 3 and warmup == _planner.VERIFY_WARMUP
+            key = tuple(tried[-1])
+            peak, seconds = table[key]
+            i = blocks.get(key, 0)
+            blocks[key] = i + 1
+            return {"seconds": seconds[i], "peak_bytes": peak, "times": [seconds[i]] * 3}
 
-    monkeypatch.setattr(_planner, "_run", fake_run)
+        return fake_run
+
+    chosen, r1, r2, r3 = ranked[0][1], *close[:3]
+    ok, over = budget * 0.9, budget * 1.1
+    # r1: fastest but over the budget; r2: fast once, slow in the rounds; r3: fastest
+    # pooled
+    table = {
+        tuple(chosen): (ok, [1.0, 1.0, 1.0]),
+        tuple(r1): (over, [0.8]),
+        tuple(r2): (ok, [0.85, 0.95, 0.95]),
+        tuple(r3): (ok, [0.95, 0.9, 0.9]),
+    }
+    monkeypatch.setattr(_planner, "_run", run_with(table))
     monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
-    assert tried == [ranked[0][1], *close[:3]]
-    assert got.levers == close[1]
+    assert tried == [chosen, r1, r2, r3] + [r3, r2, chosen] + [chosen, r2, r3]
+    assert got.levers == r3
     checks = got.measured["checks"]
     assert [ch["rival"] for ch in checks] == [False, True, True, True]
     assert [ch["fits"] for ch in checks] == [True, False, True, True]
+    assert [ch.get("pooled_seconds") for ch in checks] == [1.0, None, 0.95, 0.9]
+    assert [len(ch["times"]) for ch in checks] == [9, 3, 9, 9]
+    # the fastest pooled rival is less than VERIFY_GAIN faster: the model's choice stays
+    tried.clear()
+    near = 1.0 - _planner.VERIFY_GAIN / 2
+    table[tuple(r2)] = (ok, [1.02] * 3)
+    table[tuple(r3)] = (ok, [near] * 3)
+    monkeypatch.setattr(_planner, "_run", run_with(table))
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert got.levers == chosen and len(tried) == 10
+    # no rival fits: no rounds
+    tried.clear()
+    for key in (tuple(r2), tuple(r3)):
+        table[key] = (over, [0.5])
+    monkeypatch.setattr(_planner, "_run", run_with(table))
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert got.levers == chosen and tried == [chosen, r1, r2, r3]
     # nothing predicted close: only the model's choice is measured
     tried.clear()
     monkeypatch.setattr(_planner, "VERIFY_CLOSE", 0.0)
-    monkeypatch.setattr(_planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 0.0})
+    monkeypatch.setattr(_planner, "_run", run_with(table))
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert all(t > ranked[0][0] for t, _ in ranked[1:])  # no tie either
-    assert tried == [ranked[0][1]] and got.levers == ranked[0][1]
+    assert tried == [chosen] and got.levers == chosen
     with pytest.raises(ValueError, match="steps"):
         base.replan(int(budget), step_fn=lambda: None, model=layers, steps=0)
 
@@ -611,14 +650,14 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         self.measure_on_cpu = True
 
     monkeypatch.setattr(activations._Auto, "__init__", measuring_init)
-    peaks = iter([1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 10)
+    peaks = iter([1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 30)
     runs = []
 
     def fake_run(step_fn, steps, warmup):
         for _ in range(steps + warmup):
             step_fn()
         runs.append((steps, warmup))
-        return {"seconds": 0.01 * len(runs), "peak_bytes": next(peaks)}
+        return {"seconds": 0.01, "peak_bytes": next(peaks), "times": [0.01] * steps}
 
     monkeypatch.setattr(_planner, "_run", fake_run)
     model = _ref_model()
@@ -641,7 +680,8 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     # chosen plan's first step (the down projection, the 4th product of each layer)
     mm = torch.ops.aten.mm.default
     assert chosen._learnt is not None and all(k.unused == {(mm, 3)} for k in chosen._learnt)
-    # each later measurement is slower (fake_run): the first plan that fits is kept
+    # every measurement takes as long (fake_run): no rival is faster, the first plan
+    # that fits is kept
     fit = next(ch for ch in checks if ch["fits"])
     assert not fit["rival"] and fit["levers"] == chosen.levers
     assert not any("forward" in layer.__dict__ for layer in model.layers)  # trials removed
