@@ -780,6 +780,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(rows 'offload k=n fp8'; default: none)",
     )
     parser.add_argument(
+        "--staging-slots",
+        type=int,
+        default=None,
+        help="device staging slots per direction of the fp8 rows (offload._device."
+        "STAGING_SLOTS; default: the library's)",
+    )
+    parser.add_argument(
         "--double-buffering-compare",
         action="store_true",
         help="also run k=L-1 with double_buffering=True",
@@ -796,6 +803,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="min_tensor_bytes for the offloader (default: the library's; --quick: 0)",
     )
     args = parser.parse_args(argv)
+    if args.staging_slots is not None and args.staging_slots < 1:
+        parser.error(f"--staging-slots must be >= 1; got {args.staging_slots}")
 
     if args.quick and args.preset != "ref-8L":
         parser.error("--quick and --preset are exclusive (--quick has its own tiny sizes)")
@@ -928,6 +937,10 @@ def model_name(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     device, cfg = args.device, args.model
+    from offload import _device
+
+    if args.staging_slots is not None:
+        _device.STAGING_SLOTS = args.staging_slots
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif args.quick:
@@ -945,6 +958,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "ks": args.ks,
             "double_buffering_compare": args.double_buffering_compare,
             "compress_ks": args.compress_ks,
+            "staging_slots": _device.STAGING_SLOTS,
             "min_tensor_bytes": args.min_tensor_bytes,
             "quick": args.quick,
             "cpu_threads": torch.get_num_threads(),
