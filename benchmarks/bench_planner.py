@@ -553,7 +553,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="path of the JSON result")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=9, help="timed steps per configuration (>= 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (>= 1)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="warm-up steps per configuration (>= 1; a configuration with an offloader "
+        "makes a new one, whose first steps allocate its pinned host memory)",
+    )
     parser.add_argument(
         "--ab-rounds",
         type=int,
