@@ -51,20 +51,20 @@ Forward, group g (the call of layer g), offloaded:
    offloaded, its saves are placed at its close instead of at save time (not in
    captures, manual mode or measuring forwards). Why: the step starts with nothing
    queued on the device (training loops often synchronise between steps), so every
-   microsecond the host spends in that call, placing a save and issuing its copy
-   (50-150 us for a large tensor on an H200's host), is a microsecond the device
-   waits; from the second call on the host is ahead and the same work is hidden. At
-   save time the handle is a ``Pending`` around a ``Kept`` (what an unpack before the
-   close gets), and a save of at least ``_D2H_EAGER_BYTES`` takes a mark of the
-   current stream (``Backend.mark_ready``, an event). At the close, or earlier where
-   the group's copies are issued with its buckets sealed (``_flush_d2h``: the end of
-   the forward, ``start_offload``), each save is placed in order as in steps 1 and 1(b), with its version at save time (a change in place
-   in between poisons it at the release, step 3), and a copy issued while placing it
-   waits for its save's mark instead of a mark taken now: a large tensor's copy still
-   starts once its producer is done, smaller ones wait for the next mark (or one taken
-   at the close), and a bucket's flat copy always for a mark taken after the kernel
-   that wrote it. Nothing is released before the close, so holding the tensors until
-   then costs no memory.
+   microsecond the host spends in that call, placing a save and issuing its copy (50-150
+   us for a large tensor on an H200's host), is a microsecond the device waits; from the
+   second call on the host is ahead and the same work is hidden. At save time the handle
+   is a ``Pending`` around a ``Kept`` (what an unpack before the close gets), and a save
+   of at least ``_D2H_EAGER_BYTES`` takes a mark of the current stream
+   (``Backend.mark_ready``, an event). At the close, or earlier where the group's copies
+   are issued with its buckets sealed (``_flush_d2h``: the end of the forward,
+   ``start_offload``), each save is placed in order as in steps 1 and 1(b), with its
+   version at save time (a change in place in between poisons it at the release, step
+   3), and a copy issued while placing it waits for its save's mark instead of a mark
+   taken now: a large tensor's copy still starts once its producer is done, smaller ones
+   wait for the next mark (or one taken at the close), and a bucket's flat copy always
+   for a mark taken after the kernel that wrote it. Nothing is released before the
+   close, so holding the tensors until then costs no memory.
 2. *Close.* When the layer's forward ends, an event is recorded on the D2H stream: it
    completes when every copy of the group (and of earlier groups) has landed.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g is the j-th of the
