@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+
+# deterministic cuBLAS needs this workspace setting before cuBLAS starts: pytest imports
+# this file before any test file
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ def cuda_deterministic() -> Iterator[None]:
     another order from run to run), switched off and the device synchronised after it.
 
     GPU test files use it for every test with
-    ``pytestmark = [..., pytest.mark.usefixtures("cuda_deterministic")]``."""
+    ``pytestmark = tests.models.ON_CUDA_DETERMINISTIC``."""
     torch.use_deterministic_algorithms(True)
     try:
         yield

@@ -1,6 +1,7 @@
 """Small models shared by the tests: each block records a weak reference to the storage
 of one large activation it saves for backward, so tests can check that offloaded
-originals are really freed (Note [release order], 3)."""
+originals are really freed (Note [release order], 3). Also the ``pytestmark`` of the
+GPU test files (:data:`ON_CUDA`, :data:`ON_CUDA_DETERMINISTIC`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,22 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+
+#: ``pytestmark`` of a GPU test file: its tests are marked ``cuda`` and skip with a
+#: reason on a machine without a GPU ...
+ON_CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+#: ... and, for bitwise comparisons, run with deterministic algorithms (the
+#: ``cuda_deterministic`` fixture of tests/conftest.py; tests/conftest.py also sets the
+#: cuBLAS workspace that determinism needs, before any test file is imported)
+ON_CUDA_DETERMINISTIC = [*ON_CUDA, pytest.mark.usefixtures("cuda_deterministic")]
 
 
 class RMSNorm(nn.Module):

@@ -7,27 +7,20 @@ Face. Run on the GPU with
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: E402
+import offload
+from tests import models
+from tests.models import ON_CUDA_DETERMINISTIC, assert_same, twin
 
-import offload  # noqa: E402
-from tests import models  # noqa: E402
-from tests.models import assert_same, twin  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("cuda_deterministic"),
-]
+pytestmark = ON_CUDA_DETERMINISTIC
 
 DEV = "cuda"
 

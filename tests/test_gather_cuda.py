@@ -5,23 +5,14 @@ Run with ``PYTHONPATH=. python3 -m pytest -m cuda tests/test_gather_cuda.py``.""
 
 from __future__ import annotations
 
-import os
+import torch
+from torch import nn
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+import offload
+from tests import models
+from tests.models import ON_CUDA_DETERMINISTIC, assert_same, twin
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import offload  # noqa: E402
-from tests import models  # noqa: E402
-from tests.models import assert_same, twin  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("cuda_deterministic"),
-]
+pytestmark = ON_CUDA_DETERMINISTIC
 
 DEV = "cuda"
 

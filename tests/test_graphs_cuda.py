@@ -13,21 +13,15 @@ import functools
 import os
 import sys
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+import pytest
+import torch
+from torch import nn
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import offload
+from tests import models
+from tests.models import ON_CUDA_DETERMINISTIC, twin
 
-import offload  # noqa: E402
-from tests import models  # noqa: E402
-from tests.models import twin  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("cuda_deterministic"),
-]
+pytestmark = ON_CUDA_DETERMINISTIC
 
 DEV = "cuda"
 SHAPE = (2, 512, 256)

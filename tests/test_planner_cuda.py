@@ -6,22 +6,16 @@ model without it (deterministic algorithms, a control run). Run with
 from __future__ import annotations
 
 import copy
-import os
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import offload
+from offload._planner import _run
+from offload._reference import ReferenceModel
+from tests.models import ON_CUDA_DETERMINISTIC
 
-import offload  # noqa: E402
-from offload._planner import _run  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("cuda_deterministic"),
-]
+pytestmark = ON_CUDA_DETERMINISTIC
 
 
 def _grads(model, x):

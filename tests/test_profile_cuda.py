@@ -26,18 +26,14 @@ from __future__ import annotations
 import json
 import os
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import offload
+from offload._reference import ReferenceModel
+from tests.models import ON_CUDA
 
-import offload  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = ON_CUDA
 
 LAYERS, HIDDEN, HEADS, FFN, SEQ, BATCH = 4, 2048, 16, 7168, 4096, 2
 OFFLOADED = 3

@@ -4,23 +4,16 @@ test skips without it (on the GPU machine it is carried as a wheel)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from torch import nn
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import offload
+from tests import models
+from tests.models import ON_CUDA, assert_same, twin
+from tests.test_tensor_kinds import FP8Block
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import offload  # noqa: E402
-from tests import models  # noqa: E402
-from tests.models import assert_same, twin  # noqa: E402
-from tests.test_tensor_kinds import FP8Block  # noqa: E402
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = ON_CUDA
 
 
 class MLP(nn.Module):
