@@ -28,6 +28,11 @@ the codec turns activations into (or back from) the packed form: compare with th
 link; ``packed/orig``: packed bytes / original bytes. A line then checks that the Triton
 and eager packed bytes (and decodes) are identical at that size.
 
+The *floor* line per dtype times torch's own copy of the aligned tensor (one read and one
+write) and its unscaled cast to e4m3fn, and gives what a quantize or dequantize costs at
+best: the original plus packed bytes it must move, at the copy's rate. The codec kernels
+are compared with it, not with the device's nominal bandwidth.
+
 On CUDA the pinned device -> host bandwidth (``_common.pinned_bandwidth``, 256 MiB) is
 measured too, and the table's last lines compare, per dtype, the copy of the original
 tensor with quantize + copy of the packed bytes (device -> host), and the copy back of
@@ -131,6 +136,30 @@ def agreement(x: torch.Tensor) -> dict[str, bool]:
     }
 
 
+def floor(x: torch.Tensor, repeats: int, warmup: int) -> dict[str, Any]:
+    """The memory floor of the codec on ``x``'s device: torch's own copy of ``x`` (one read
+    and one write of its bytes) and its unscaled cast to e4m3fn (no block maximum, no
+    scale); ``floor_ms_per_op``: the bytes a quantize (or dequantize) must move,
+    ``orig + packed``, at the copy's rate, i.e. what a codec costs at best."""
+    n = x.numel()
+    orig = n * x.element_size()
+    packed = codec.packed_nbytes(n)
+    same = torch.empty_like(x)
+    fp8 = torch.empty(n, dtype=torch.float8_e4m3fn, device=x.device)
+    copy_ms = median(time_calls(lambda: same.copy_(x), x.device, repeats, warmup))
+    cast_ms = median(time_calls(lambda: fp8.copy_(x), x.device, repeats, warmup))
+    copy_gbps = gbps(2 * orig, copy_ms)
+    return {
+        "dtype": str(x.dtype).removeprefix("torch."),
+        "numel": n,
+        "copy_ms": copy_ms,
+        "copy_gbps_moved": copy_gbps,
+        "cast_to_fp8_ms": cast_ms,
+        "cast_gbps_moved": gbps(orig + n, cast_ms),
+        "floor_ms_per_op": (orig + packed) / (copy_gbps * 1e9) * 1e3,
+    }
+
+
 def sweep(x: torch.Tensor, repeats: int, warmup: int) -> list[dict[str, Any]]:
     """Triton kernels with other blocks per program and warps (``codec.TILING`` patched,
     the same tiling for both kernels; each row is one kernel)."""
@@ -193,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
     sweep_rows: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
     g = torch.Generator(device=device).manual_seed(0)
     for name in args.dtypes.split(","):
         dtype = DTYPES[name.strip()]
@@ -203,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_size(x, impls, args.repeats, args.warmup, label)
             if use_triton:
                 checks[f"{name} {label}"] = agreement(x)
+        floors.append(floor(base[:n], args.repeats, args.warmup))
         if args.sweep and use_triton:
             sweep_rows += sweep(base[:n], args.repeats, args.warmup)
         del base
@@ -222,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     print_rows(rows)
     for key, value in checks.items():
         print(f"triton vs eager, {key}: {value}")
+    for f in floors:
+        print(
+            f"floor, {f['dtype']}: torch copy {f['copy_ms']:.3f} ms ({f['copy_gbps_moved']:.0f} "
+            f"GB/s moved), unscaled cast to fp8 {f['cast_to_fp8_ms']:.3f} ms; a codec op "
+            f"moving orig + packed bytes at the copy's rate: {f['floor_ms_per_op']:.3f} ms"
+        )
     if sweep_rows:
         print("\nsweep (triton, aligned size):")
         print_rows(sweep_rows, extra=("blocks_per_program", "num_warps"))
@@ -265,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "triton_vs_eager": checks,
             "sweep": sweep_rows,
+            "floor": floors,
             "pinned_bandwidth": link,
             "offload_model": offload_model,
             "wall_s": time.perf_counter() - started,
