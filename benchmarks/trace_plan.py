@@ -7,17 +7,19 @@ Command (one GPU, about 30 s)::
 
 Each plan is a string of one lever code per layer (``o`` offload, ``S``
 selective_offload, ``s`` selective, ``c`` checkpoint, ``C`` checkpoint_offload, ``.``
-keep), applied with :class:`offload.Plan` around ref-8L's forward. Per plan: the median
-step time of ``--steps`` steps (CUDA events, after 3 warm-up steps, the caching
-allocator emptied first), then one step under ``torch.profiler``. From the profile:
-``device ms`` (first kernel start to last kernel end); ``compute busy`` (union of the
-compute stream's kernels: the stream with the most kernel time); ``compute idle``
-(device ms - compute busy: the time the compute stream waited, for the host, for a
-copy or for an event); the copy streams' busy time (D2H and H2D, from the memcpy
-kinds); the ``--gaps`` largest idle gaps of the compute stream (start in ms from the first
-kernel, length, and how long host-to-device copies ran during the gap); and every CUDA
-runtime call of the host that took over 100 us (``cudaMalloc``, ``cudaHostAlloc``, a
-synchronisation: the usual reasons for the compute stream to starve).
+keep), applied with :class:`offload.Plan` (``--compress fp8``: its offloaded layers
+compressed) around ref-8L's forward. Per plan: the median step time of ``--steps`` steps
+(CUDA events, after 3 warm-up steps, the caching allocator emptied first), then one step
+under ``torch.profiler``. From the profile: ``device ms`` (first kernel start to last
+kernel end); ``backward from`` (where a 1-cycle ``torch.cuda._sleep`` kernel queued
+between the forward and the backward ran); ``compute busy`` (union of the compute
+stream's kernels: the stream with the most kernel time); ``compute idle`` (device ms -
+compute busy: the time the compute stream waited, for the host, for a copy or for an
+event); the copy streams' busy time (D2H and H2D, from the memcpy kinds); the ``--gaps``
+largest idle gaps of the compute stream (start in ms from the first kernel, length, and
+how long host-to-device copies ran during the gap); and every CUDA runtime call of the
+host that took over 100 us (``cudaMalloc``, ``cudaHostAlloc``, a synchronisation: the
+usual reasons for the compute stream to starve).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
     kernels: dict[int, list[tuple[float, float]]] = defaultdict(list)
     slow_calls: list[tuple[float, float, str]] = []  # host runtime calls over 100 us
     copies: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    marker = None
     for e in prof.events():
         a, b = e.time_range.start, e.time_range.end
         if e.device_type != DeviceType.CUDA:
@@ -53,6 +56,8 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
             copies[kind].append((a, b, 0))
         elif not e.name.startswith("Memset"):
             kernels[e.device_resource_id].append((a, b))
+            if "spin" in e.name:  # torch.cuda._sleep's kernel
+                marker = a
     compute = max(kernels, key=lambda s: union_length(kernels[s]))
     spans = sorted(kernels[compute])
     first = min(a for a, _ in spans)
@@ -74,6 +79,7 @@ def analyse(prof: Any, gaps: int) -> dict[str, Any]:
         )
     return {
         "device_ms": (last - first) / 1e3,
+        "backward_at_ms": None if marker is None else (marker - first) / 1e3,
         "compute_busy_ms": busy / 1e3,
         "compute_idle_ms": (last - first - busy) / 1e3,
         "idle_gaps_over_50us_ms": sum(b - a for a, b in idle if b - a > 50) / 1e3,
@@ -91,20 +97,24 @@ def main() -> None:
     parser.add_argument("--plans", default="........,cccccccc,ccccccc.,CCCCCCC.,CCCCCCCC")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--gaps", type=int, default=8)
+    parser.add_argument("--compress", choices=["fp8"], default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = ReferenceModel(8, 4096, 32, 14336, device="cuda", dtype=torch.bfloat16)
 
-    def step() -> None:
+    def step(mark: bool = False) -> None:
         x = torch.randn(1, 4096, 4096, device="cuda", dtype=torch.bfloat16)
-        model.loss(x).backward()
+        loss = model.loss(x)
+        if mark:  # a 1-cycle kernel on the compute stream where the backward starts
+            torch.cuda._sleep(1)
+        loss.backward()
 
     rows: dict[str, Any] = {}
     for code in args.plans.split(","):
         levers = levers_of(code)
         torch.cuda.empty_cache()
-        plan = offload.Plan(model.layers, levers).apply(model)
+        plan = offload.Plan(model.layers, levers, compress=args.compress).apply(model)
         try:
             for _ in range(3):
                 step()
@@ -120,7 +130,7 @@ def main() -> None:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                step()
+                step(mark=True)
                 torch.cuda.synchronize()
         finally:
             plan.remove()
@@ -131,7 +141,7 @@ def main() -> None:
             f"{code}: step {row['step_ms_median']:.1f} ms; traced device {row['device_ms']:.1f}, "
             f"compute busy {row['compute_busy_ms']:.1f}, idle {row['compute_idle_ms']:.1f} "
             f"(gaps > 50 us {row['idle_gaps_over_50us_ms']:.1f}); D2H {row['d2h_busy_ms']:.1f}, "
-            f"H2D {row['h2d_busy_ms']:.1f} ms",
+            f"H2D {row['h2d_busy_ms']:.1f} ms; backward from {row['backward_at_ms']:.1f} ms",
             flush=True,
         )
         for g in row["largest_gaps"]:
