@@ -9,7 +9,8 @@ Command (one GPU, about 15 s)::
 ref-8L's forward (``ReferenceModel(8, 4096, 32, 14336)``, bf16), where the device's
 kernels and copies run beside them and the host's caches are cold. The offloader's
 functions (``Step.pack`` and what it calls, the backends' ``d2h``, the host pool, the
-layer hooks, ``__enter__``/``__exit__``) are wrapped with ``time.perf_counter`` (about
+layer hooks, ``__enter__``/``__exit__``; with ``--compress fp8`` the staging slots and the
+codec's entry points and kernel launches) are wrapped with ``time.perf_counter`` (about
 0.1 us per call added); per plan (lever codes as in ``trace_layers.py``) the forward's
 host time (no synchronisation inside it), the host time from the forward's start to
 the second layer's pre-hook (the first layer's whole host cost), and per function the
@@ -31,14 +32,16 @@ import torch
 from _common import environment, levers_of, write_json
 
 import offload
-from offload import _device, _host_pool, _scheduler, activations
+from offload import _compress, _device, _host_pool, _scheduler, activations
 from offload._reference import ReferenceModel
 
 TIMED: list[tuple[Any, list[str]]] = [
     (_scheduler.Step, ["pack", "_place", "_copy", "_flush_d2h", "open_group", "close_group"]),
     (_scheduler.Step, ["_release", "finish_forward"]),
     (_host_pool.HostPool, ["allocate"]),
-    (_device.CudaBackend, ["d2h", "wait", "record_d2h"]),
+    (_device.CudaBackend, ["d2h", "h2d", "wait", "record_d2h"]),
+    (_device._Staging, ["slot"]),
+    (_compress, ["quantize_into", "dequantize_into", "_launch_quantize", "_launch_dequantize"]),
     (activations.ActivationOffloader, ["_layer_start", "_layer_end", "__enter__", "__exit__"]),
 ]
 
@@ -47,7 +50,7 @@ calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
 def wrap(owner: Any, name: str) -> None:
     f = getattr(owner, name)
-    label = f"{owner.__name__}.{name}"
+    label = f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
 
     @functools.wraps(f)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,6 +68,7 @@ def wrap(owner: Any, name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default="o.......,oo......,o.Ss....")
+    parser.add_argument("--compress", choices=["fp8"], default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for owner, names in TIMED:
@@ -75,7 +79,7 @@ def main() -> None:
     steps, warmup = 5, 3
     result: dict[str, Any] = {}
     for code in ["........", *args.plans.split(",")]:
-        plan = offload.Plan(model.layers, levers_of(code)).apply(model)
+        plan = offload.Plan(model.layers, levers_of(code), compress=args.compress).apply(model)
         at_layer1 = [0.0]
         hook = model.layers[1].register_forward_pre_hook(
             lambda _m, _a, box=at_layer1: box.__setitem__(0, time.perf_counter())

@@ -203,7 +203,7 @@ class _Staging:
     that uses it second; the next writer of the slot waits for it.
     """
 
-    __slots__ = ("buffer", "slot_bytes", "turn", "free", "count")
+    __slots__ = ("buffer", "slot_bytes", "turn", "free", "count", "filled", "drained")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -211,6 +211,11 @@ class _Staging:
         self.turn = 0
         self.count = STAGING_SLOTS
         self.free: list[Any] = [None] * self.count
+        # per slot, two events recorded again at every use (no event made per chunk): a
+        # stream's wait_event waits for the record made before the wait was issued, so
+        # a later record of the same event never changes a wait already queued
+        self.filled = [torch.cuda.Event() for _ in range(self.count)]
+        self.drained = [torch.cuda.Event() for _ in range(self.count)]
 
     def slot(
         self, nbytes: int, device: torch.device, owner: Any, other: Any
@@ -353,16 +358,22 @@ class CudaBackend(Backend):
                 if codec_stream is None:
                     codec_stream, staging = self._codec_stream("d2h")
                     codec_stream.wait_event(ready)  # 4.1(a) for the quantize kernels
+                # per chunk: the codec stream quantizes into a slot once the copy that
+                # last read it is done, the copy stream sends the slot once quantized.
+                # Streams are switched with set_stream (the finally below restores the
+                # compute stream): this loop's host time paces the forward
                 for part, packed in _chunks(src.view(codec), dst):
                     slot, i = staging.slot(packed.numel(), self.device, codec_stream, stream)
-                    with torch.cuda.stream(codec_stream):
-                        if staging.free[i] is not None:  # the copy that last read the slot
-                            codec_stream.wait_event(staging.free[i])
-                        _compress.quantize_into(part, slot)
-                        quantized = codec_stream.record_event()
-                    stream.wait_event(quantized)
+                    torch.cuda.set_stream(codec_stream)
+                    if staging.free[i] is not None:  # the copy that last read the slot
+                        codec_stream.wait_event(staging.free[i])
+                    _compress.quantize_into(part, slot)
+                    staging.filled[i].record(codec_stream)
+                    torch.cuda.set_stream(stream)
+                    stream.wait_event(staging.filled[i])
                     packed.copy_(slot, non_blocking=True)
-                    staging.free[i] = stream.record_event()
+                    staging.free[i] = staging.drained[i]
+                    staging.drained[i].record(stream)
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
@@ -421,10 +432,13 @@ class CudaBackend(Backend):
                     slot.copy_(packed, non_blocking=True)
                     # the codec stream follows the copy stream, which waited for ``stream``
                     # (4.1(e): the reload buffer's block) and for the D2H (``waits``)
-                    codec_stream.wait_event(copy_stream.record_event())
-                    with torch.cuda.stream(codec_stream):
-                        _compress.dequantize_into(slot, part)
-                        staging.free[i] = codec_stream.record_event()
+                    staging.filled[i].record(copy_stream)
+                    codec_stream.wait_event(staging.filled[i])
+                    torch.cuda.set_stream(codec_stream)
+                    _compress.dequantize_into(slot, part)
+                    staging.free[i] = staging.drained[i]
+                    staging.drained[i].record(codec_stream)
+                    torch.cuda.set_stream(copy_stream)
             done = copy_stream
             if codec_stream is not None:  # the reload event covers both streams' work
                 codec_stream.wait_stream(copy_stream)

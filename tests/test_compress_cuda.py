@@ -86,6 +86,31 @@ def test_race_stress_timing_does_not_change_results(dtype) -> None:
         assert off_slow.stats.compress_bytes_before > 0
 
 
+def test_many_chunks_cycle_the_staging_slots(monkeypatch) -> None:
+    """Spans of 64 chunks each pass through the staging slots again and again (each
+    slot's two events are recorded anew for every chunk, in both directions), with the
+    producers and later kernels delayed: the results equal, bitwise, those of the same
+    steps with one chunk per span (chunks are whole blocks: the packed bytes are the
+    same), so no chunk was quantized into a slot its previous copy still read, sent
+    before it was quantized, or dequantized before it arrived."""
+    from offload import _device
+
+    torch.manual_seed(0)
+    ref = nn.ModuleList(Sleepy(256, 0) for _ in range(6)).to(DEV)
+    slow = twin(ref)
+    for layer in slow:
+        layer.cycles = 2_000_000
+    every = dict(compress="fp8", compress_filter=lambda t: True, min_tensor_bytes=1024)
+    off_ref = offload.ActivationOffloader(ref, offload_layers=5, **every)
+    xs = [torch.randn(4, 256, 256, device=DEV) for _ in range(4)]
+    want = [models.step(ref, x, models.run_plain, off_ref) for x in xs]
+    monkeypatch.setattr(_device, "CHUNK_ELEMENTS", 4096)
+    off = offload.ActivationOffloader(slow, offload_layers=5, **every)
+    for x, w in zip(xs, want, strict=True):
+        assert_same(w, models.step(slow, x, models.run_plain, off))
+    assert off.stats.compress_bytes_before >= 64 * 4096 * 4  # a 64-chunk span at least
+
+
 def test_tiny_layers_copies_dominate() -> None:
     """Microseconds of compute per MiB saved: the codec kernels and copies lag far
     behind the compute stream, and every release and reload waits for them."""
