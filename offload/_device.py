@@ -199,8 +199,13 @@ class _Staging:
     (codec stream). The slots are used in turn, so the codec kernels of the next chunks
     run while the link carries earlier ones, and the device memory this costs is bounded
     by that many packed chunks (the largest seen), kept across steps until the backend
-    is dropped. ``free[i]``: the event after the last use of slot ``i`` by the stream
-    that uses it second; the next writer of the slot waits for it.
+    is dropped. Per slot ``i``, two events are recorded again at every use (none is made
+    per chunk): ``filled[i]`` after the slot is written (the stream that reads it
+    waits for it) and ``drained[i]`` after it is read; ``free[i]`` is ``drained[i]``
+    once the slot has been used (``None`` before, and after the buffer grows), and the
+    next writer of the slot waits for it. A stream's ``wait_event`` waits for the
+    record made before the wait was issued, so recording an event again never changes
+    a wait already queued.
     """
 
     __slots__ = ("buffer", "slot_bytes", "turn", "free", "count", "filled", "drained")
@@ -211,9 +216,6 @@ class _Staging:
         self.turn = 0
         self.count = STAGING_SLOTS
         self.free: list[Any] = [None] * self.count
-        # per slot, two events recorded again at every use (no event made per chunk): a
-        # stream's wait_event waits for the record made before the wait was issued, so
-        # a later record of the same event never changes a wait already queued
         self.filled = [torch.cuda.Event() for _ in range(self.count)]
         self.drained = [torch.cuda.Event() for _ in range(self.count)]
 
