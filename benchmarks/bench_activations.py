@@ -787,6 +787,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "STAGING_SLOTS; default: the library's)",
     )
     parser.add_argument(
+        "--chunk-elements",
+        type=int,
+        default=None,
+        help="elements per chunk of the fp8 rows' copies, a multiple of 128 (offload."
+        "_device.CHUNK_ELEMENTS; default: the library's); larger chunks: fewer codec "
+        "launches per layer, larger staging slots",
+    )
+    parser.add_argument(
         "--double-buffering-compare",
         action="store_true",
         help="also run k=L-1 with double_buffering=True",
@@ -805,6 +813,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.staging_slots is not None and args.staging_slots < 1:
         parser.error(f"--staging-slots must be >= 1; got {args.staging_slots}")
+    if args.chunk_elements is not None and (args.chunk_elements < 128 or args.chunk_elements % 128):
+        parser.error(
+            f"--chunk-elements must be a positive multiple of 128 (the codec's block); got "
+            f"{args.chunk_elements}"
+        )
 
     if args.quick and args.preset != "ref-8L":
         parser.error("--quick and --preset are exclusive (--quick has its own tiny sizes)")
@@ -941,6 +954,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if args.staging_slots is not None:
         _device.STAGING_SLOTS = args.staging_slots
+    if args.chunk_elements is not None:
+        _device.CHUNK_ELEMENTS = args.chunk_elements
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif args.quick:
@@ -959,6 +974,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "double_buffering_compare": args.double_buffering_compare,
             "compress_ks": args.compress_ks,
             "staging_slots": _device.STAGING_SLOTS,
+            "chunk_elements": _device.CHUNK_ELEMENTS,
             "min_tensor_bytes": args.min_tensor_bytes,
             "quick": args.quick,
             "cpu_threads": torch.get_num_threads(),
