@@ -8,7 +8,8 @@ Command (one GPU, about 20 s)::
 Model: ref-8L (``ReferenceModel(8, 4096, 32, 14336)``, bf16, seed 0); a step is
 ``model.loss(x).backward()`` on a fresh ``x``. Each plan is a string of lever codes
 (``o`` offload, ``S`` selective_offload, ``s`` selective, ``c`` checkpoint, ``C``
-checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan`, each after
+checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan` (with ``--compress
+fp8``, its offloaded layers' copies are compressed), each after
 ``gc.collect()`` and ``torch.cuda.empty_cache()``; ``........`` (no
 lever) is always measured first, as the reference. Per step, CUDA events are recorded on
 the compute stream at the step's start, at each layer's forward pre-hook (``f<i>``),
@@ -33,10 +34,12 @@ import offload
 from offload._reference import ReferenceModel
 
 
-def marks(model: ReferenceModel, code: str, steps: int) -> dict[str, float]:
+def marks(
+    model: ReferenceModel, code: str, steps: int, compress: str | None = None
+) -> dict[str, float]:
     """Median ms from the step's start to each mark, for the plan ``code``."""
     free_cached(torch.device("cuda"))  # each plan starts from the same allocator state
-    plan = offload.Plan(model.layers, levers_of(code)).apply(model)
+    plan = offload.Plan(model.layers, levers_of(code), compress=compress).apply(model)
     rows: list[dict[str, float]] = []
     try:
         for i in range(steps + 3):
@@ -79,6 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default="o.......,oo......,o.Ss....")
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument(
+        "--compress", choices=["fp8"], default=None, help="the plans' compress setting"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -87,7 +93,7 @@ def main() -> None:
     rows = {"........": base}
     print("........ " + " ".join(f"{k}:{v:.1f}" for k, v in base.items()))
     for code in args.plans.split(","):
-        r = rows[code] = marks(model, code, args.steps)
+        r = rows[code] = marks(model, code, args.steps, args.compress)
         print(code + " " + " ".join(f"{k}:{v:.1f}({v - base[k]:+.1f})" for k, v in r.items()))
     write_json(
         args.out,
@@ -96,6 +102,7 @@ def main() -> None:
             "command": sys.argv,
             "environment": environment(torch.device("cuda")),
             "steps": args.steps,
+            "compress": args.compress,
             "marks_ms": rows,
         },
     )
