@@ -82,14 +82,16 @@ Forward, group g (the call of layer g), offloaded:
    pack is compared first: a mismatch poisons the copy, and its unpack raises the
    "modified by an inplace operation" error (4.6). A change made after the release
    cannot be seen. A group with one slice is released whole at the start of call r. A
-   group with several is released *during* call r: whenever r saves a tensor (not a
-   parameter), slices are released in order until the bytes they freed cover what r
-   saved so far (``Step._repay``), and the rest when r closes. Why: the link usually
+   group with several is released *during* call r: at r's start and whenever r saves
+   a tensor (not a parameter), slices are released in order until the bytes they freed
+   cover what r saved so far plus the group's largest tensor (``Step._repay``), and
+   the rest when r closes. The largest tensor ahead: r allocates a tensor before it
+   saves it, and the caching allocator can only hand it a block freed before that. Why: the link usually
    finishes a group's first tensors long before its last, and releasing everything at
    r's start made the compute stream wait for the last one before any of r's kernels;
-   now r's kernels run while the link carries the tail. Since the slices free at least
-   what r saved, the device holds no more during r than at r's start, plus r's
-   scratch buffers and the tensor being saved; the step's peak (the end of the forward
+   now r's kernels run while the link carries the tail. Since the slices free more
+   than r saved, the device holds no more during r than at r's start, plus r's
+   scratch buffers; the step's peak (the end of the forward
    or the backward) does not change (``tests/test_release_slices_cuda.py``, and ref-8L
    in the README). That needs our hooks on in call r even when
    r itself is not offloaded (``ActivationOffloader._layer_start``). Captures and
@@ -450,6 +452,7 @@ class _Group:
         "slices",
         "slice_bytes",
         "release_next",
+        "largest",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -489,6 +492,7 @@ class _Group:
         #: device_refs before this index are released (buckets excepted: entries left
         #: in place, released with the last slice)
         self.release_next = 0
+        self.largest = 0  # device bytes of its largest device reference
 
 
 # --------------------------------------------------------------------------------------
@@ -673,8 +677,10 @@ class Step:
                     done = self.groups[j]
                     if done.slices and not (self.capture or self.manual):
                         self.releasing.append(done)  # as this call saves (3)
+                        self.release_debt += done.largest  # one tensor ahead
                     else:
                         self._release(done)
+            self._release_debt()
             pending, self.pending = self.pending, []
             for handle, t in pending:
                 if offload or self.probe:
@@ -1102,6 +1108,8 @@ class Step:
                 pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
             group.device_refs.append((alias, version, copy))
             group.slice_bytes += span_bytes
+            if span_bytes > group.largest:
+                group.largest = span_bytes
             self._queue_d2h(pair, group, sent)
             if copies is None:
                 self.storages[key] = [copy]
@@ -1378,12 +1386,17 @@ class Step:
             return
         with self.rt.lock:
             self.release_debt += _nbytes(t)
-            releasing = self.releasing
-            while self.release_debt > 0 and releasing:
-                group = releasing[0]
-                self.release_debt -= self._release_slice(group)
-                if group.released:
-                    releasing.pop(0)
+            self._release_debt()
+
+    def _release_debt(self) -> None:
+        """Release slices of the groups being released, in order, until the bytes they
+        freed cover ``release_debt`` (lock held)."""
+        releasing = self.releasing
+        while self.release_debt > 0 and releasing:
+            group = releasing[0]
+            self.release_debt -= self._release_slice(group)
+            if group.released:
+                releasing.pop(0)
 
     def _finish_releasing(self) -> None:
         """Release the rest of the groups due at the open call's start, as it closes

@@ -90,16 +90,17 @@ def test_a_group_is_released_as_the_release_call_saves(sliced) -> None:
         # released during call 3, slice by slice: more after each save, never all at once
         assert released == sorted(released) and 0 < released[0] < total, seen
         assert alive == sorted(alive, reverse=True) and alive[0] < 6 and alive[-1] < alive[0]
-        # what call 3 saved so far is covered: its input and one tanh output per product
+        # what call 3 saved so far is covered (its input and one tanh output per
+        # product), and one tensor ahead
         act = ROWS * DIM * 4
         for i, b, _ in seen:
-            assert b >= min(total, (i + 2) * act), seen
+            assert b >= min(total, (i + 3) * act), seen
     off.close()
 
 
 def test_slices_keep_gradients_and_inplace_checks(sliced) -> None:
     torch.manual_seed(0)
-    layers = nn.ModuleList(Chain(4) for _ in range(5))
+    layers = nn.ModuleList(Chain(6) for _ in range(5))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers=3, min_tensor_bytes=0)
     for _ in range(3):
@@ -110,15 +111,16 @@ def test_slices_keep_gradients_and_inplace_checks(sliced) -> None:
 
     # A saved activation of group 0 changed in place during call 2 (group 0's release
     # call, k=3 of 5) before the slice that holds it is released: that release sees it.
-    # Call 2's first two saves (4 MiB) released the slices of group 0's input (held by
-    # the caller: frees nothing) and of its first two tanh outputs.
+    # Call 2's start released one tensor ahead (the largest of group 0: one activation),
+    # its first two saves two more: the slices of group 0's input (held by the caller:
+    # frees nothing) and of its first three tanh outputs.
     def poke(i: int) -> None:
         if i == 0:
-            assert off._last.groups[0].stats.bytes_released == 2 * ROWS * DIM * 4
+            assert off._last.groups[0].stats.bytes_released == 3 * ROWS * DIM * 4
             with torch.no_grad():
                 layers[0].kept.mul_(2)
 
-    layers[0].keep = 2
+    layers[0].keep = 4
     layers[2].hook = poke
     x = torch.randn(ROWS, DIM)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
