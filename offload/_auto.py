@@ -96,9 +96,8 @@ def predict_step(
     :data:`HOST_SECONDS_PER_COPY` per copy when offloaded): a launch-bound layer is paced
     by the host. Forward: a group's D2H starts when its layer starts (copies begin at
     save time) and
-    the D2H stream is free, and ends no earlier than the layer; the layer call at the
-    group's release point runs while its slices are released and ends no earlier than
-    that D2H (Note [release order], 3). Backward: a group's H2D starts when the backward
+    the D2H stream is free, and ends no earlier than the layer; the compute stream waits
+    for it at the group's release point. Backward: a group's H2D starts when the backward
     of its reload layer starts and the H2D stream is free; the group's own backward waits
     for it. Both directions run at once (the link is full duplex).
     """
@@ -108,13 +107,13 @@ def predict_step(
     d2h_free = 0.0
     d2h_done: dict[int, float] = {}
     for i in range(L):
+        for s in plan.release_at.get(i, ()):
+            t = max(t, d2h_done[s])
         start = t
         t += costs[i].forward(i in plan.offloaded)
         if i in plan.offloaded:
             d2h_free = max(d2h_free, start) + costs[i].nbytes / d2h_bps
             d2h_done[i] = max(d2h_free, t)
-        for s in plan.release_at.get(i, ()):
-            t = max(t, d2h_done[s])  # released while call i runs, the rest as it ends
     released = {g for groups in plan.release_at.values() for g in groups}
     for s in plan.offloaded - released:
         t = max(t, d2h_done[s])  # released when the forward ends

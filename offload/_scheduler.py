@@ -66,36 +66,16 @@ Forward, group g (the call of layer g), offloaded:
    for a mark taken after the kernel that wrote it. Nothing is released before the
    close, so holding the tensors until then costs no memory.
 2. *Close.* When the layer's forward ends, an event is recorded on the D2H stream: it
-   completes when every copy of the group (and of earlier groups) has landed. Earlier,
-   whenever a batch of copies is issued and the group's device references since the
-   last *slice* reach ``_SLICE_BYTES``, an event is recorded too: a slice is the
-   references up to there, and its event completes once all their copies have landed
-   (buckets aside: their flat copies are issued at their seal, so their members belong
-   to the last slice, whose event is the close's).
-3. *Release.* Group g (the j-th of the k offloaded groups) is due at the start of
-   layer call ``r = max(g + 1, L - k + j)`` (at the end of the forward when ``r ==
-   L``). Releasing a slice means: the compute stream waits for the slice's event
-   (``wait_event``: the device waits, the host does not), then the group drops those
-   device references. From then on the caching allocator may hand their blocks to
-   later kernels of the compute stream, which are queued behind the wait, so no kernel
-   can overwrite a block before its copy has read it (4.1(b)). The version recorded at
-   pack is compared first: a mismatch poisons the copy, and its unpack raises the
-   "modified by an inplace operation" error (4.6). A change made after the release
-   cannot be seen. A group with one slice is released whole at the start of call r. A
-   group with several is released *during* call r: at r's start and whenever r saves
-   a tensor (not a parameter), slices are released in order until the bytes they freed
-   cover what r saved so far plus the group's largest tensor (``Step._repay``), and
-   the rest when r closes. The largest tensor ahead: r allocates a tensor before it
-   saves it, and the caching allocator can only hand it a block freed before that. Why: the link usually
-   finishes a group's first tensors long before its last, and releasing everything at
-   r's start made the compute stream wait for the last one before any of r's kernels;
-   now r's kernels run while the link carries the tail. Since the slices free more
-   than r saved, the device holds no more during r than at r's start, plus r's
-   scratch buffers; the step's peak (the end of the forward
-   or the backward) does not change (``tests/test_release_slices_cuda.py``, and ref-8L
-   in the README). That needs our hooks on in call r even when
-   r itself is not offloaded (``ActivationOffloader._layer_start``). Captures and
-   manual mode release whole groups, as before.
+   completes when every copy of the group (and of earlier groups) has landed.
+3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g is the j-th of the
+   k offloaded groups; at the end of the forward when ``r == L``), the compute stream
+   waits for that event (``wait_event``: the device waits, the host does not) and the
+   group drops its device references. From then on the caching allocator may hand the
+   blocks to later kernels of the compute stream, which are queued behind the wait, so
+   no kernel can overwrite a block before its copy has read it (4.1(b)). The version
+   recorded at pack is compared first: a mismatch poisons the copy, and its unpack
+   raises the "modified by an inplace operation" error (4.6). A change made after the
+   release cannot be seen.
 
 Backward (outside the context, possibly on autograd's device threads):
 
@@ -273,11 +253,6 @@ _GATHER_MAX_BYTES = 1 << 20
 #: while the bytes after it are free, and trimmed to what it used when sealed.
 _GATHER_BUCKET_BYTES = 8 << 20
 _GATHER_FIRST_BYTES = 256 << 10
-#: Release slices (Note [release order], 3): a D2H event is recorded after a batch of
-#: copies once the group's device references since the last one reach this many bytes,
-#: so a release during its layer can free the group's first tensors while the link
-#: still carries the last ones. Larger: fewer events, coarser release.
-_SLICE_BYTES = 64 << 20
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -449,10 +424,6 @@ class _Group:
         "held",
         "phase",
         "deferred",
-        "slices",
-        "slice_bytes",
-        "release_next",
-        "largest",
     )
 
     def __init__(self, index: int, module: torch.nn.Module | None, offload: bool, stream: Any):
@@ -462,8 +433,8 @@ class _Group:
         self.stream = stream  # the compute stream current when the layer ran
         self.copies: dict[int, _Copy] = {}  # id -> copy, also copies made by other groups
         #: (device tensor, version at pack, its copy); (None, -1, bucket) for a bucket,
-        #: whose members' tensors the bucket holds; None once released
-        self.device_refs: list[tuple[torch.Tensor | None, int, _Copy] | None] = []
+        #: whose members' tensors the bucket holds
+        self.device_refs: list[tuple[torch.Tensor | None, int, _Copy]] = []
         self.d2h_done: Any = None
         self.released = False
         self.reloaded = False
@@ -485,14 +456,6 @@ class _Group:
         #: the step's first layer call: saves placed at its close (Note [release
         #: order], 1(c)): (handle, tensor, ready mark or None); None: placed at save
         self.deferred: list[tuple[Pending, torch.Tensor, Any]] | None = None
-        #: release slices (Note [release order], 3): (end index in device_refs, the
-        #: D2H event recorded once every copy of the entries before it was issued)
-        self.slices: list[tuple[int, Any]] = []
-        self.slice_bytes = 0  # device bytes of the entries since the last slice
-        #: device_refs before this index are released (buckets excepted: entries left
-        #: in place, released with the last slice)
-        self.release_next = 0
-        self.largest = 0  # device bytes of its largest device reference
 
 
 # --------------------------------------------------------------------------------------
@@ -626,10 +589,6 @@ class Step:
         #: while deferred saves are placed (1(c)): the mark after the one being placed
         #: was produced, for the D2H copies issued then (None: mark now)
         self.d2h_ready: Any = None
-        #: groups being released during the open layer call (Note [release order], 3),
-        #: in order, and the bytes that call saved beyond what their release freed
-        self.releasing: list[_Group] = []
-        self.release_debt = 0
 
     @property
     def stats_double_buffer_reuses(self) -> int:
@@ -665,7 +624,7 @@ class Step:
             stream = self.backend.current_stream() if self.backend is not None else None
             self.gathering = not (self.compress or self.capture or self.manual)
             group = _Group(index, module, offload, stream)
-            if offload and index == 0 and self._defers_first_call():
+            if offload and index == 0 and not (self.capture or self.manual or self.probe):
                 group.deferred = []  # Note [release order], 1(c)
             if self.cfg.timing:
                 group.times = []
@@ -674,13 +633,7 @@ class Step:
             self.open = group
             for j in self.plan.release_at.get(index, ()):
                 if j < index:
-                    done = self.groups[j]
-                    if done.slices and not (self.capture or self.manual):
-                        self.releasing.append(done)  # as this call saves (3)
-                        self.release_debt += done.largest  # one tensor ahead
-                    else:
-                        self._release(done)
-            self._release_debt()
+                    self._release(self.groups[j])
             pending, self.pending = self.pending, []
             for handle, t in pending:
                 if offload or self.probe:
@@ -702,11 +655,6 @@ class Step:
             for t in tensors:
                 self.hooks.append(t.register_hook(hook))
 
-    def _defers_first_call(self) -> bool:
-        """Whether the step's first layer call places its saves at its close (Note
-        [release order], 1(c))."""
-        return not (self.capture or self.manual or self.probe)
-
     def close_group(self, outputs: Any = None) -> None:
         with self.rt.lock:
             if self.depth:
@@ -717,7 +665,6 @@ class Step:
                 return
             self.open = None
             group.closed = True
-            self._finish_releasing()
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
@@ -761,7 +708,6 @@ class Step:
             self._flush_d2h(self.open)
             self.open = None
             self.forward_done = True
-            self._finish_releasing()
             for _handle, t in self.pending:
                 self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
@@ -784,7 +730,6 @@ class Step:
             self.aborted = True
             self.backward_done = True
             self.pending = []
-            self.releasing = []
             for group in self.groups:
                 group.deferred = None  # their handles keep the tensors (Kept)
             self.d2h_queue = []  # never issued: their host blocks are freed below
@@ -853,8 +798,6 @@ class Step:
         the forward's thread touches those counters).
         """
         group = self.open
-        if self.releasing:  # a group is released as this layer call saves (3)
-            self._repay(t)
         if group is None:
             if not self.groups or self.forward_done:
                 self.outside["outside_layers"] += _nbytes(t)
@@ -1106,11 +1049,8 @@ class Step:
             else:
                 copy.host_view = view = block.typed(torch.uint8, (sent,), (1,))
                 pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
-            group.device_refs.append((alias, version, copy))
-            group.slice_bytes += span_bytes
-            if span_bytes > group.largest:
-                group.largest = span_bytes
             self._queue_d2h(pair, group, sent)
+            group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
             else:
@@ -1301,10 +1241,6 @@ class Step:
             # orders its copy after the kernel that wrote it
             ready = None if transient else self.d2h_ready
             self.backend.d2h(queue, fence, times, transient, ready)  # type: ignore[union-attr]
-            if group is not None and group.slice_bytes >= _SLICE_BYTES:
-                # every entry of device_refs so far has its copy issued (buckets aside)
-                group.slice_bytes = 0
-                group.slices.append((len(group.device_refs), self.backend.record_d2h()))  # type: ignore[union-attr]
 
     def _warn_host_limit(self, nbytes: int) -> None:
         if not self.rt.warned_host_limit:
@@ -1326,86 +1262,25 @@ class Step:
         if not group.device_refs:
             return
         self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
-        group.stats.bytes_released += self._drop_refs(group, len(group.device_refs), True)
-        group.device_refs.clear()
-
-    def _release_slice(self, group: _Group) -> int:
-        """Release the next slice of ``group`` (Note [release order], 3; lock held): the
-        compute stream waits for the slice's D2H event, then its device references
-        (buckets aside) are dropped. The last slice is the rest, after ``d2h_done``.
-        Returns the bytes this freed."""
-        slices = group.slices
-        while slices and slices[0][0] <= group.release_next:
-            slices.pop(0)  # nothing left before it (released already)
-        if not slices:
-            before = group.stats.bytes_released
-            self._release(group)
-            return group.stats.bytes_released - before
-        end, event = slices.pop(0)
-        self.backend.wait(group.stream, event, group.times)  # type: ignore[union-attr]
-        freed = self._drop_refs(group, end, False)
-        group.stats.bytes_released += freed
-        return freed
-
-    def _drop_refs(self, group: _Group, end: int, last: bool) -> int:
-        """Drop ``group.device_refs[release_next:end]`` after the in-place check of each
-        (Note [release order], 3; lock held), and with ``last`` the buckets' members
-        too (their flat copies are issued only when sealed). Returns the bytes of the
-        storages this frees: a storage whose last reference was ours is free now (one
-        that another group or the caller still holds travelled for nothing and is not
-        counted; one storage may have several copies)."""
-        refs = group.device_refs
         mine: dict[int, _Copy] = {}
         gathered = 0
-        for i in range(0 if last else group.release_next, end):
-            entry = refs[i]
-            if entry is None:
-                continue
-            t, version, copy = entry
+        for t, version, copy in group.device_refs:
             if t is None:
-                if last:
-                    gathered += self._release_members(copy)  # type: ignore[arg-type]
+                gathered += self._release_members(copy)  # type: ignore[arg-type]
                 continue
-            refs[i] = None
             if t._version != version:
                 copy.poison = inplace_message(t, version)
             mine[id(copy.ref)] = copy
-        t = entry = None  # the loop variables would keep the last tensor alive
-        group.release_next = end
+        del t  # the loop variable would keep the last tensor alive
+        group.device_refs.clear()
+        # Storages whose last reference was ours are free now: that is the device memory
+        # this release gave back (a storage that another group or the caller still holds
+        # travelled for nothing, and is not counted). One storage may have several copies.
         freed: dict[int, int] = {}
         for copy in mine.values():
             if copy.ref.expired():  # type: ignore[union-attr]
                 freed[copy.ref.cdata] = copy.storage_nbytes  # type: ignore[union-attr]
-        return sum(freed.values()) + gathered
-
-    def _repay(self, t: torch.Tensor) -> None:
-        """The open layer call saved ``t``: release slices of the groups due at its start
-        until their freed bytes cover what it saved (Note [release order], 3).
-        Parameters take no new memory and are not counted."""
-        if isinstance(t, torch.nn.Parameter):
-            return
-        with self.rt.lock:
-            self.release_debt += _nbytes(t)
-            self._release_debt()
-
-    def _release_debt(self) -> None:
-        """Release slices of the groups being released, in order, until the bytes they
-        freed cover ``release_debt`` (lock held)."""
-        releasing = self.releasing
-        while self.release_debt > 0 and releasing:
-            group = releasing[0]
-            self.release_debt -= self._release_slice(group)
-            if group.released:
-                releasing.pop(0)
-
-    def _finish_releasing(self) -> None:
-        """Release the rest of the groups due at the open call's start, as it closes
-        (lock held)."""
-        if self.releasing:
-            for group in self.releasing:
-                self._release(group)
-            self.releasing = []
-        self.release_debt = 0
+        group.stats.bytes_released += sum(freed.values()) + gathered
 
     # ---- manual mode (get_cpu_offload_context(manual_synchronization=True)) -----------
 

@@ -399,7 +399,6 @@ class ActivationOffloader:
             and not group.offload
             and step.depth == 0
             and not step.probe
-            and not step.releasing  # its saves release slices (Note [release order], 3)
             and not self._aside
             and self._hooks_on_top()
         ):
