@@ -17,7 +17,11 @@ when the gradient of each layer's output arrives (``b<i>``: that layer's backwar
 starts), at the end of the forward and at the end of the backward. Printed per plan:
 the median over ``--steps`` steps (after 3 warm-up steps) of each mark in ms from the
 start, and in parentheses its difference from the no-lever plan: where a plan's extra
-time appears (a mark's delta grows across a layer: that layer took longer).
+time appears (a mark's delta grows across a layer: that layer took longer). Also
+``d<n>``: when the n-th event the offloader records on its D2H stream in the step
+completes (``CudaBackend.record_d2h``, timed here by wrapping it). With plain
+``offload`` levers there is one per offloaded layer call, at its close, in order: it
+completes when that call's copies have all landed, and the call's release waits for it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,19 @@ import torch
 from _common import environment, free_cached, levers_of, write_json
 
 import offload
+from offload import _device
 from offload._reference import ReferenceModel
+
+_d2h_events: list[torch.cuda.Event] = []
+_record_d2h = _device.CudaBackend.record_d2h
+
+
+def _timed_record_d2h(self: _device.CudaBackend) -> torch.cuda.Event:
+    """``CudaBackend.record_d2h`` with a timing event, kept for this step's marks."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(self.d2h_stream)
+    _d2h_events.append(event)
+    return event
 
 
 def marks(
@@ -62,6 +78,7 @@ def marks(
                 hooks.append(layer.register_forward_hook(lambda m, a, o, j=j: post(m, a, o, j)))
             x = torch.randn(1, 4096, 4096, device="cuda", dtype=torch.bfloat16)
             torch.cuda.synchronize()
+            _d2h_events.clear()
             mark("start")
             loss = model.loss(x)
             mark("forward_end")
@@ -72,10 +89,13 @@ def marks(
                 h.remove()
             t0 = events[0][1]
             if i >= 3:
-                rows.append({name: t0.elapsed_time(e) for name, e in events})
+                row = {name: t0.elapsed_time(e) for name, e in events}
+                row.update({f"d{g}": t0.elapsed_time(e) for g, e in enumerate(_d2h_events)})
+                rows.append(row)
     finally:
         plan.remove()
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
 
 
 def main() -> None:
@@ -89,12 +109,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = ReferenceModel(8, 4096, 32, 14336, device="cuda", dtype=torch.bfloat16)
+    _device.CudaBackend.record_d2h = _timed_record_d2h  # type: ignore[method-assign]
     base = marks(model, "........", args.steps)
     rows = {"........": base}
     print("........ " + " ".join(f"{k}:{v:.1f}" for k, v in base.items()))
     for code in args.plans.split(","):
         r = rows[code] = marks(model, code, args.steps, args.compress)
-        print(code + " " + " ".join(f"{k}:{v:.1f}({v - base[k]:+.1f})" for k, v in r.items()))
+        print(
+            code
+            + " "
+            + " ".join(
+                f"{k}:{v:.1f}({v - base[k]:+.1f})" if k in base else f"{k}:{v:.1f}"
+                for k, v in r.items()
+            )
+        )
     write_json(
         args.out,
         {

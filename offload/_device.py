@@ -199,27 +199,48 @@ class _Staging:
     (codec stream). The slots are used in turn, so the codec kernels of the next chunks
     run while the link carries earlier ones, and the device memory this costs is bounded
     by that many packed chunks (the largest seen), kept across steps until the backend
-    is dropped. Per slot ``i``, two events are recorded again at every use (none is made
-    per chunk): ``filled[i]`` after the slot is written (the stream that reads it
-    waits for it) and ``drained[i]`` after it is read; ``free[i]`` is ``drained[i]``
-    once the slot has been used (``None`` before, and after the buffer grows), and the
-    next writer of the slot waits for it. A stream's ``wait_event`` waits for the
-    record made before the wait was issued, so recording an event again never changes
-    a wait already queued.
+    is dropped. One use of a slot is :meth:`write` (the writer stream waits for the
+    slot's last reader), :meth:`hand_over` (the reader stream waits for the writer) and
+    :meth:`release` (after the reader's work on it is queued). Per slot ``i``, two
+    events are recorded again at every use (none is made per chunk): ``filled[i]`` by
+    the writer, ``drained[i]`` by the reader; ``used[i]`` says whether ``drained[i]``
+    has been recorded since the buffer was made. A stream's ``wait_event`` waits for
+    the record made before the wait was issued, so recording an event again never
+    changes a wait already queued.
     """
 
-    __slots__ = ("buffer", "slot_bytes", "turn", "free", "count", "filled", "drained")
+    __slots__ = ("buffer", "slot_bytes", "turn", "used", "count", "filled", "drained")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.slot_bytes = 0
         self.turn = 0
         self.count = STAGING_SLOTS
-        self.free: list[Any] = [None] * self.count
+        self.used = [False] * self.count
         self.filled = [torch.cuda.Event() for _ in range(self.count)]
         self.drained = [torch.cuda.Event() for _ in range(self.count)]
 
-    def slot(
+    def write(
+        self, nbytes: int, device: torch.device, writer: Any, reader: Any
+    ) -> tuple[torch.Tensor, int]:
+        """The next slot, at least ``nbytes`` (a view), and its index, for ``writer``
+        to fill: ``writer`` waits for the work the slot's last reader queued on it."""
+        slot, i = self._slot(nbytes, device, writer, reader)
+        if self.used[i]:
+            writer.wait_event(self.drained[i])
+        return slot, i
+
+    def hand_over(self, i: int, writer: Any, reader: Any) -> None:
+        """``writer`` queued its write of slot ``i``: ``reader`` waits for it."""
+        self.filled[i].record(writer)
+        reader.wait_event(self.filled[i])
+
+    def release(self, i: int, reader: Any) -> None:
+        """``reader`` queued its last read of slot ``i``: the next writer waits for it."""
+        self.drained[i].record(reader)
+        self.used[i] = True
+
+    def _slot(
         self, nbytes: int, device: torch.device, owner: Any, other: Any
     ) -> tuple[torch.Tensor, int]:
         """A slot of at least ``nbytes`` (a view) and its index. A larger buffer is
@@ -238,7 +259,7 @@ class _Staging:
             # the new block may be one ``owner`` freed: stream order on ``owner`` keeps it
             # safe; ``other`` must not still use it: it waits for ``owner`` below
             other.wait_stream(owner)
-            self.free = [None] * self.count
+            self.used = [False] * self.count
         i = self.turn
         self.turn = (i + 1) % self.count
         start = i * self.slot_bytes
@@ -365,17 +386,13 @@ class CudaBackend(Backend):
                 # Streams are switched with set_stream (the finally below restores the
                 # compute stream): this loop's host time paces the forward
                 for part, packed in _chunks(src.view(codec), dst):
-                    slot, i = staging.slot(packed.numel(), self.device, codec_stream, stream)
+                    slot, i = staging.write(packed.numel(), self.device, codec_stream, stream)
                     torch.cuda.set_stream(codec_stream)
-                    if staging.free[i] is not None:  # the copy that last read the slot
-                        codec_stream.wait_event(staging.free[i])
                     _compress.quantize_into(part, slot)
-                    staging.filled[i].record(codec_stream)
+                    staging.hand_over(i, codec_stream, stream)
                     torch.cuda.set_stream(stream)
-                    stream.wait_event(staging.filled[i])
                     packed.copy_(slot, non_blocking=True)
-                    staging.free[i] = staging.drained[i]
-                    staging.drained[i].record(stream)
+                    staging.release(i, stream)
             if times is not None:
                 end.record()
                 times.append(("d2h", start, end))
@@ -428,18 +445,14 @@ class CudaBackend(Backend):
                 if codec_stream is None:
                     codec_stream, staging = self._codec_stream("h2d")
                 for part, packed in _chunks(dst.view(codec), src):
-                    slot, i = staging.slot(packed.numel(), self.device, codec_stream, copy_stream)
-                    if staging.free[i] is not None:  # the dequantize that last read the slot
-                        copy_stream.wait_event(staging.free[i])
+                    slot, i = staging.write(packed.numel(), self.device, copy_stream, codec_stream)
                     slot.copy_(packed, non_blocking=True)
                     # the codec stream follows the copy stream, which waited for ``stream``
                     # (4.1(e): the reload buffer's block) and for the D2H (``waits``)
-                    staging.filled[i].record(copy_stream)
-                    codec_stream.wait_event(staging.filled[i])
+                    staging.hand_over(i, copy_stream, codec_stream)
                     torch.cuda.set_stream(codec_stream)
                     _compress.dequantize_into(slot, part)
-                    staging.free[i] = staging.drained[i]
-                    staging.drained[i].record(codec_stream)
+                    staging.release(i, codec_stream)
                     torch.cuda.set_stream(copy_stream)
             done = copy_stream
             if codec_stream is not None:  # the reload event covers both streams' work

@@ -109,7 +109,7 @@ packed host bytes into a staging slot and the codec stream, behind that copy (an
 behind the compute stream and the D2H events the H2D stream waited for), dequantizes
 the slot into the reload buffer; the reload event is recorded on the codec stream after
 it waited for the H2D stream, so it covers both. A slot is rewritten only after the
-event that follows its last reader (``_Staging.free``); the slots' events are recorded
+event that follows its last reader (``_Staging.write``); the slots' events are recorded
 again at every use, which is safe because a wait already queued refers to the record
 made before it (``_Staging``).
 
