@@ -17,7 +17,7 @@ from torch import nn
 
 import offload
 from offload._device import Backend
-from offload._weights import WeightOffloader
+from offload.weights import WeightOffloader
 from tests import models
 
 DIM, HEADS, FFN = 32, 4, 64
@@ -799,7 +799,7 @@ class LateBackend(Backend):
 
 @pytest.fixture
 def late_copies(monkeypatch):
-    import offload._weights as impl
+    import offload._weights._lifecycle as impl
 
     monkeypatch.setattr(impl, "backend_for", LateBackend)
 
