@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from offload._planner import DEFAULT_LEVERS, LEVERS
+from offload._planner.levers import DEFAULT_LEVERS, LEVERS
 
 __all__ = ["main", "build_parser"]
 
@@ -252,11 +252,11 @@ def _plan(args: argparse.Namespace) -> int:
     chosen.report(console)
     result = chosen.to_dict()
     if args.measure:
-        from offload._planner import _run
+        from offload._planner.verify import measure_step
 
         chosen.apply(model)
         try:
-            got = _run(step, max(args.steps, 5), max(args.warmup, 1))
+            got = measure_step(step, max(args.steps, 5), max(args.warmup, 1))
         finally:
             chosen.remove()
         t, m = chosen.predicted_seconds, chosen.predicted_bytes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-from offload._planner import _run
+from offload._planner.verify import measure_step as _run
 from offload._reference import ReferenceModel
 from tests.models import ON_CUDA_DETERMINISTIC
 
@@ -78,7 +78,7 @@ def test_selective_stops_keeping_what_the_recompute_never_uses(lever: str) -> No
     plans made by ``offload.plan`` do), the peak drops by one hidden-size tensor per
     selective layer under ``selective``, and that tensor no longer travels under
     ``selective_offload``; gradients stay bitwise."""
-    from offload._planner import _Kept
+    from offload._planner.levers import KeptKeys as _Kept
 
     torch.manual_seed(0)
     L, hidden = 4, 1024

@@ -17,7 +17,7 @@ from torch import nn
 
 import offload
 from offload import MemoryProfile, cli
-from offload._profile import _example_dict
+from offload.profiling import _example_dict
 from offload._render import largest_reason, ms_text, short_bytes
 from offload.profiling import LayerStats, OffloadStats
 
