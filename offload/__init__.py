@@ -25,7 +25,7 @@ from offload.integrations.hf import find_layers
 from offload.profiling import LayerStats, OffloadStats
 from offload.weights import WeightOffloader
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # activation offloading
