@@ -22,6 +22,7 @@ __all__ = [
     "layer_table",
     "largest_reason",
     "ms_text",
+    "plan_errors_table",
     "plan_summary",
     "plan_table",
     "profile_lines",
@@ -317,4 +318,42 @@ def render_plan(plan: Plan, console: Any = None) -> None:
             ratio = f" {row['seconds'] / base:.2f}x" if base else ""
             parts.append(f"{name}{ratio} {format_bytes(row['peak_bytes'])}")
         console.print("measured, every layer: " + "; ".join(parts), style="dim")
+    errors = plan.prediction_errors()
+    if errors:
+        console.print(plan_errors_table(errors))
     console.print(plan_summary(plan))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def plan_errors_table(rows: list[dict[str, Any]]) -> Any:
+    """A :class:`rich.table.Table` of :meth:`offload.Plan.prediction_errors`: per
+    measured configuration, predicted and measured step ms and activation peak, and
+    the errors (predicted / measured - 1; ``fit`` where the model was fitted to it)."""
+    from rich.table import Table
+
+    from offload._planner.levers import summary
+
+    table = Table(
+        title="the cost model against the steps measured",
+        title_justify="left",
+        caption="err: predicted / measured - 1; *: the model is fitted to this one",
+        caption_justify="left",
+    )
+    for name in ("measured", "levers", "pred ms", "ms", "t err", "pred", "peak", "m err"):
+        table.add_column(name, justify="left" if name in ("measured", "levers") else "right")
+    for r in rows:
+        fitted = r.get("fitted", [])
+        table.add_row(
+            r["name"],
+            summary(r["levers"]),
+            f"{r['predicted_seconds'] * 1e3:.1f}",
+            f"{r['measured_seconds'] * 1e3:.1f}",
+            _pct(r["time_error"]) + ("*" if "seconds" in fitted else ""),
+            short_bytes(r["predicted_bytes"]),
+            "-" if r["measured_bytes"] is None else short_bytes(r["measured_bytes"]),
+            _pct(r["memory_error"]) + ("*" if "bytes" in fitted else ""),
+        )
+    return table

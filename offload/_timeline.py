@@ -39,10 +39,13 @@ class Recorder:
     on each layer call's inputs and outputs for the backward (the gradient of an output
     is ready: backward starts; the gradients of the inputs are: it ends)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, peaks: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.marks: list[tuple[str, int, Any, int | None]] = []
+        #: with ``peaks`` (CUDA): ``(kind, index, bytes)`` at every mark, the most
+        #: allocated since the mark before (the allocator's peak, reset at each mark)
+        self.peaks: list[tuple[str, int, int]] | None = [] if peaks and self.cuda else None
         self.calls = 0
         self.stack: list[int] = []
         self.depth = 0
@@ -70,6 +73,9 @@ class Recorder:
     def mark(self, kind: str, index: int) -> None:
         mem = torch.cuda.memory_allocated(self.device) if self.cuda else None
         self.marks.append((kind, index, self.stamp(), mem))
+        if self.peaks is not None:  # host-side counters: no synchronisation
+            self.peaks.append((kind, index, torch.cuda.max_memory_allocated(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def attach(self, layers: Iterable[torch.nn.Module]) -> list[Any]:
         handles = []

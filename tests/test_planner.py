@@ -460,6 +460,7 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
     applied and measured; one whose measured peak exceeds the budget is passed over."""
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _search.candidates(c, budget)
@@ -500,6 +501,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     (not the next of the first ranking, which may sit just as close to the budget);
     after a second miss, with all of it, and that one fits."""
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=5, bps=1e15)
     budget = c.memory(["keep"] * 5) * 0.45
     error = 0.1 * budget
@@ -534,6 +536,7 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     """An error so large that no plan is predicted to fit with room for it (one plan's
     error, not every plan's): the next plan tried is the next of the first ranking."""
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _search.candidates(c, budget)
@@ -557,6 +560,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     over the model's choice); a faster plan over the budget is not re-measured or kept,
     a rival that only measured fast once loses, and plans predicted further away are
     not measured at all."""
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)  # the rivals part only
     c = _costs(L=6, bps=20e9)
     budget = c.memory(["keep"] * 6) * 0.55
     ranked = _search.candidates(c, budget)

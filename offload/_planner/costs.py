@@ -13,17 +13,22 @@ The model is deliberately small so that every prediction can be explained:
   its release point, ``# Note [release order]``); during its backward it holds all
   ``S_i`` again (kept, reloaded or recomputed) while the layers below it hold their
   residents and the offloaded groups already reloaded for later (the reload points)
-  hold ``S_j``. Each of those moments adds a workspace ``W``; the predicted peak is the
-  largest of them. ``W`` comes from the step without levers (its peak minus the sum of
-  ``S_i``); ``rho_sel`` and ``rho_ckpt`` are fitted to steps with each lever on every
-  layer. Every prediction is anchored on the measured peak without levers.
+  hold ``S_j``. Each of those moments adds a workspace ``W``. Between the last layer's
+  forward and its backward (the head, the loss and their gradients, which no lever
+  touches) the layers hold their residents and the step adds ``H``. The predicted peak
+  is the largest of these moments. ``W`` and ``H`` come from the step without levers:
+  measured at each moment when :func:`offload.plan` could (``H`` known), else ``W`` is
+  its peak minus the sum of ``S_i`` and counts at every moment. ``rho_sel`` and
+  ``rho_ckpt`` are fitted to steps with each lever on every layer. Every prediction is
+  anchored on the measured peak without levers.
 * **Time.** Recompute adds to a layer's backward the measured extra time of its lever
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
   layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
   schedule (one copy stream per direction, overlapping the compute beside it, the
   release and reload points of ``# Note [release order]``); with ``compress="fp8"`` each
   offloaded layer also costs a time fitted to the every-layer offload step (the codec's
-  kernels and their waits, which the copy model does not see). Predictions are
+  kernels and their waits, which the copy model does not see), and a layer offloaded
+  exactly (``compressed`` false for it) sends ``S_i`` at no codec cost. Predictions are
   anchored on the measured step without levers.
 """
 
@@ -55,7 +60,12 @@ class PlanCosts:
         checkpoint_kept: ``rho_ckpt``, the fraction a checkpointed layer keeps.
         selective_s: extra backward seconds of each layer under selective recompute.
         checkpoint_s: extra backward seconds of each layer under full recompute.
-        workspace_bytes: ``W``, backward memory beyond the saved activations.
+        workspace_bytes: ``W``, memory a layer's forward or backward needs beyond the
+            saved activations.
+        head_bytes: ``H``, memory the step needs between the last layer's forward and
+            its backward (head, loss, their gradients) beyond what the layers hold.
+            Default ``None``: not measured; ``W`` then counts at every moment and that
+            one is not modelled.
         prefetch_bytes: extra memory while an offloaded layer's backward runs, beyond the
             groups the reload schedule has brought back. Default 0 (:func:`plan` does
             not fit it: the schedule accounts for the prefetched groups).
@@ -92,6 +102,7 @@ class PlanCosts:
     step_s: float | None = None
     activation_bytes: int | None = None
     offload_s: tuple[float, ...] | None = None
+    head_bytes: int | None = None
 
     def __post_init__(self) -> None:
         names = ("forward_s", "backward_s", "saved_bytes", "selective_s", "checkpoint_s")
@@ -116,8 +127,8 @@ class PlanCosts:
         for name in ("d2h_bps", "h2d_bps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be > 0")
-        for name in ("workspace_bytes", "prefetch_bytes", "gap_s"):
-            if getattr(self, name) < 0:
+        for name in ("workspace_bytes", "prefetch_bytes", "gap_s", "head_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"PlanCosts.{name}={getattr(self, name)}: must be >= 0")
         # raw_memory() and raw_seconds() of the plans seen, per kind (the search and its
         # verification ask for the same plans again and again): levers tuple -> value.
@@ -130,6 +141,14 @@ class PlanCosts:
 
     def _link(self) -> tuple[int, ...]:
         return self.link_bytes if self.link_bytes is not None else self.saved_bytes
+
+    def _layer_link(self, i: int, compressed: Sequence[bool] | None) -> int:
+        """Bytes layer ``i`` sends when offloaded whole: ``link_bytes`` (compressed
+        when the costs were measured with ``compress``), or ``S_i`` when ``compressed``
+        says this layer travels exactly."""
+        if compressed is not None and not compressed[i]:
+            return self.saved_bytes[i]
+        return self._link()[i]
 
     # ---- memory ----------------------------------------------------------------------
 
@@ -157,14 +176,13 @@ class PlanCosts:
             return self.checkpoint_kept
         return 0.0
 
-    def sent(self, i: int, lever: str) -> float:
+    def sent(self, i: int, lever: str, compressed: Sequence[bool] | None = None) -> float:
         """Bytes layer ``i`` sends each way over the link under ``lever``."""
-        return self.share(lever) * self._link()[i]
+        return self.share(lever) * self._layer_link(i, compressed)
 
-    def link_total(self, levers: Sequence[str]) -> float:
+    def link_total(self, levers: Sequence[str], compressed: Sequence[bool] | None = None) -> float:
         """Bytes ``levers`` send each way over the link in one step."""
-        link = self._link()
-        return sum(self.share(lever) * link[i] for i, lever in enumerate(levers))
+        return sum(self.sent(i, lever, compressed) for i, lever in enumerate(levers))
 
     def extra_seconds(self, i: int, lever: str) -> float:
         """Backward seconds that ``lever``'s recompute adds to layer ``i``."""
@@ -181,7 +199,8 @@ class PlanCosts:
 
     def raw_memory(self, levers: Sequence[str]) -> float:
         """The model's activation peak for ``levers`` (not anchored): the largest of
-        every layer's forward and every layer's backward (module docstring). O(L): an
+        every layer's forward, the head (when ``head_bytes`` is known) and every layer's
+        backward (module docstring). O(L): an
         offloaded group's travelling bytes are added after its forward and taken off at
         its release point (forward), added at its reload point and taken off after its
         backward (backward)."""
@@ -215,52 +234,65 @@ class PlanCosts:
             prefetched += back[i] - early[i]  # its own bytes are in S[i] now
             extra = self.prefetch_bytes if levers[i] in OFFLOADED else 0.0
             peak = max(peak, below + prefetched + S[i] + extra + W)
-        return max(peak, total)
+        # the head: every released group is gone, no reload has started
+        head = total + self.head_bytes if self.head_bytes is not None else total
+        return max(peak, head)
 
     def memory(self, levers: Sequence[str]) -> float:
         """Predicted activation peak in bytes, anchored on the measured one."""
-        return self._predicted("memory", self.raw_memory, self.activation_bytes, levers)
+        return self._predicted(
+            "memory", tuple(levers), lambda: self.raw_memory(levers), self.activation_bytes
+        )
 
     def _predicted(
-        self,
-        kind: str,
-        raw: Callable[[Sequence[str]], float],
-        measured: float | None,
-        levers: Sequence[str],
+        self, kind: str, key: tuple[str, ...], raw: Callable[[], float], measured: float | None
     ) -> float:
-        """``raw(levers)``, anchored when ``measured`` (the value without levers) is
-        known: ``measured + raw(levers) - raw(no levers)``. Raw values are remembered
-        per plan (at most :data:`_MEMO_LIMIT` per kind, then forgotten all at once)."""
+        """``raw()`` (the prediction of the plan ``key``), anchored when ``measured``
+        (the value without levers) is known: ``measured + raw() - raw of no levers``.
+        Raw values are remembered per plan (at most :data:`_MEMO_LIMIT` per kind, then
+        forgotten all at once)."""
         memo: dict[tuple[str, ...], float] = self._memos[kind]  # type: ignore[attr-defined]
-        value = _remembered(memo, tuple(levers), raw)
+        value = _remembered(memo, key, raw)
         if measured is None:
             return value
-        return measured + value - _remembered(memo, ("keep",) * self.num_layers, raw)
+        keep = ("keep",) * self.num_layers
+        fn = self.raw_memory if kind == "memory" else self.raw_seconds
+        return measured + value - _remembered(memo, keep, lambda: fn(keep))
 
     # ---- time ------------------------------------------------------------------------
 
-    def _layer_costs(self, levers: Sequence[str]) -> list[_auto.LayerCost]:
-        link = self._link()
+    def _layer_costs(
+        self, levers: Sequence[str], compressed: Sequence[bool] | None = None
+    ) -> list[_auto.LayerCost]:
         out = []
         for i, lever in enumerate(levers):
             fwd, bwd = self.forward_s[i], self.backward_s[i]
             share = self.share(lever)  # of the layer's link bytes that travel
             bwd += self.extra_seconds(i, lever)
-            if share and self.offload_s is not None:
+            exact = compressed is not None and not compressed[i]
+            if share and self.offload_s is not None and not exact:
                 fwd += share * self.offload_s[i] / 2
                 bwd += share * self.offload_s[i] / 2
-            out.append(_auto.LayerCost(fwd, bwd, int(share * link[i])))
+            out.append(_auto.LayerCost(fwd, bwd, int(share * self._layer_link(i, compressed))))
         return out
 
-    def raw_seconds(self, levers: Sequence[str]) -> float:
+    def raw_seconds(self, levers: Sequence[str], compressed: Sequence[bool] | None = None) -> float:
+        """The model's step seconds for ``levers`` (not anchored); ``compressed``: per
+        layer, whether an offloaded layer travels compressed (default ``None``: all of
+        them, when the costs were measured with ``compress``)."""
         offloaded = [i for i, lever in enumerate(levers) if lever in OFFLOADED]
-        return _auto.predict_step(
-            self._layer_costs(levers), offloaded, self.d2h_bps, self.h2d_bps, None, self.gap_s
-        )
+        costs = self._layer_costs(levers, compressed)
+        return _auto.predict_step(costs, offloaded, self.d2h_bps, self.h2d_bps, None, self.gap_s)
 
-    def seconds(self, levers: Sequence[str]) -> float:
-        """Predicted step seconds, anchored on the measured step without levers."""
-        return self._predicted("seconds", self.raw_seconds, self.step_s, levers)
+    def seconds(self, levers: Sequence[str], compressed: Sequence[bool] | None = None) -> float:
+        """Predicted step seconds, anchored on the measured step without levers
+        (``compressed``: see :meth:`raw_seconds`)."""
+        key = tuple(levers)
+        if compressed is not None:
+            key += tuple("fp8" if c else "exact" for c in compressed)
+        return self._predicted(
+            "seconds", key, lambda: self.raw_seconds(levers, compressed), self.step_s
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -276,14 +308,12 @@ _MEMO_LIMIT = 200_000
 
 
 def _remembered(
-    memo: dict[tuple[str, ...], float],
-    key: tuple[str, ...],
-    raw: Callable[[Sequence[str]], float],
+    memo: dict[tuple[str, ...], float], key: tuple[str, ...], raw: Callable[[], float]
 ) -> float:
-    """``raw(key)``, from ``memo`` when it is there."""
+    """``raw()``, from ``memo[key]`` when it is there."""
     value = memo.get(key)
     if value is None:
         if len(memo) >= _MEMO_LIMIT:
             memo.clear()
-        value = memo[key] = raw(key)
+        value = memo[key] = raw()
     return value

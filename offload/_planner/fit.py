@@ -5,7 +5,9 @@ Configurations, each ``warmup + steps`` steps on the same model and state: nothi
 offloader with ``offload_layers="auto"`` (its measuring forward gives each layer's
 forward and backward time and saved bytes, and the link bandwidth); every layer but the
 last offloaded; every layer selective; every layer checkpointed (levers not allowed are
-skipped). The recompute fractions ``rho_sel`` and ``rho_ckpt`` are fitted so that the
+skipped); on CUDA, one more step without levers records the allocator's peak between
+every two layer boundaries, which gives the workspace of the layers' forwards and
+backwards and that of the head apart. The recompute fractions ``rho_sel`` and ``rho_ckpt`` are fitted so that the
 model predicts the measured peaks of the every-layer configurations; with
 ``compress="fp8"``, a per-layer codec time so that it predicts the every-layer offload
 step.
@@ -19,11 +21,13 @@ from typing import Any
 
 import torch
 
+from offload import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import KeptKeys, Recompute
+from offload._timeline import Recorder
 
-__all__ = ["Measured", "fit_costs", "measure_configs"]
+__all__ = ["Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
 
 
 @dataclasses.dataclass
@@ -39,6 +43,8 @@ class Measured:
         gap_s: device seconds between the last layer's forward and its backward.
         learnt: per layer, what the selective configuration's recompute never used
             (``None`` when it was not measured).
+        moments: ``(W, H)`` measured at each moment of the step without levers
+            (:func:`memory_moments`), or ``None``.
     """
 
     configs: dict[str, dict[str, Any]]
@@ -50,6 +56,7 @@ class Measured:
     h2d_bps: float
     gap_s: float
     learnt: list[KeptKeys] | None = None
+    moments: tuple[int, int] | None = None
 
 
 def _with_offloader(
@@ -68,6 +75,73 @@ def _with_offloader(
     finally:
         handle.remove()
         off.close()
+
+
+def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
+    for layer in layers:
+        for t in (*layer.parameters(), *layer.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def memory_moments(
+    step_fn: Callable[[], Any], layers: Sequence[torch.nn.Module], saved: Sequence[int]
+) -> tuple[int, int] | None:
+    """``(W, H)`` of the step without levers (``offload/_planner/costs.py``): one step
+    with the allocator's peak read and reset at every layer boundary. ``W``: the most
+    any layer's forward or backward allocates beyond the layers' saved bytes held at
+    that moment (``saved``: per layer); ``H``: the most allocated between the last
+    layer's forward and its backward beyond all of them. ``None`` off CUDA, or when
+    the boundaries are not those of one call per layer."""
+    device = _device_of(layers)
+    if device.type != "cuda":
+        return None
+    rec = Recorder(device, peaks=True)
+    _measure.settle(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    handles = rec.attach(layers)
+    try:
+        step_fn()
+    finally:
+        for h in handles:
+            h.remove()
+    torch.cuda.synchronize(device)
+    marks = list(rec.peaks or [])
+    marks.append(("end", -1, torch.cuda.max_memory_allocated(device)))
+    return moments_of(marks, before, saved)
+
+
+def moments_of(
+    marks: Sequence[tuple[str, int, int]], before: int, saved: Sequence[int]
+) -> tuple[int, int] | None:
+    """``(W, H)`` from the peaks :func:`memory_moments` read: ``marks`` in time order,
+    each ``(kind, layer, bytes)`` with the most allocated since the mark before;
+    ``before``: allocated when the step started; ``saved``: per layer."""
+    L = len(saved)
+    held = [0]
+    for s in saved:
+        held.append(held[-1] + s)
+    forward: list[int] = []
+    backward: list[int] = []
+    head = None
+    # the peak read at a mark is that of the span since the mark before: the span
+    # after a layer's forward start is its forward, after its backward start its
+    # backward (which the next mark ends, whatever its kind: the next layer's backward
+    # start and this one's end are hooks on the same tensor)
+    for (kind, i, _), (_, _, peak) in zip(marks, marks[1:]):
+        if not 0 <= i < L:
+            return None
+        grown = peak - before
+        if kind == "forward_start":
+            forward.append(grown - held[i + 1])
+        elif kind == "forward_end" and i == L - 1:
+            head = grown - held[L]
+        elif kind == "backward_start":
+            backward.append(grown - held[i + 1])
+    if head is None or len(forward) != L or not backward:
+        return None
+    return max(0, max(forward + backward)), max(0, head)
 
 
 def _layer_costs(
@@ -117,6 +191,7 @@ def measure_configs(
     configs: dict[str, dict[str, Any]] = {"none": verify.measure_step(step_fn, steps, warmup)}
     auto = _layer_costs(step_fn, layers, model, min_tensor_bytes)
     saved = [int(c["nbytes"]) for c in auto["costs"]]
+    moments = memory_moments(step_fn, layers, saved)
     link = list(saved)
     if ("offload" in allowed or "selective_offload" in allowed) and L > 1:
         configs["offload"], stats = _with_offloader(
@@ -154,6 +229,7 @@ def measure_configs(
         h2d_bps=auto["h2d_gbps"] * 1e9,
         gap_s=float(auto.get("gap_s", 0.0)),
         learnt=learnt,
+        moments=moments,
     )
 
 
@@ -179,6 +255,10 @@ def fit_costs(m: Measured, compress: str | None) -> tuple[PlanCosts, dict[str, A
     L = len(m.forward_s)
     base_s, base_m = m.configs["none"]["seconds"], m.configs["none"]["peak_bytes"]
     total_f = sum(m.forward_s) or 1.0
+    if m.moments is not None:
+        workspace, head = m.moments
+    else:
+        workspace, head = int(max(0.0, base_m - sum(m.saved_bytes))), None
 
     def shares(lever: str) -> tuple[float, ...]:
         extra_s = m.configs.get(lever, {}).get("seconds", base_s) - base_s
@@ -196,7 +276,8 @@ def fit_costs(m: Measured, compress: str | None) -> tuple[PlanCosts, dict[str, A
             checkpoint_s=shares("checkpoint"),
             d2h_bps=m.d2h_bps,
             h2d_bps=m.h2d_bps,
-            workspace_bytes=int(max(0.0, base_m - sum(m.saved_bytes))),
+            workspace_bytes=workspace,
+            head_bytes=head,
             gap_s=m.gap_s,
             step_s=base_s,
             activation_bytes=int(base_m),

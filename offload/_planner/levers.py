@@ -23,6 +23,7 @@ __all__ = [
     "OFFLOADED",
     "RECOMPUTED",
     "SHORT",
+    "CompressedLayers",
     "KeptKeys",
     "KeepOutputs",
     "Recompute",
@@ -259,3 +260,33 @@ class Recompute:
                 self.module.forward = self.previous  # type: ignore[method-assign]
             else:
                 del self.module.forward
+
+
+class CompressedLayers:
+    """The ``compress_filter`` of a plan that compresses only some of its offloaded
+    layers: ``True`` for a 16-bit float tensor saved while one of ``compressed`` (layer
+    indices) runs its forward, as the offloader's default filter says for every layer.
+
+    The layer running is the one whose forward started last (a forward pre-hook per
+    layer, removed by :meth:`remove`): the offloader places a layer's saves while it
+    runs, and the first layer's when it ends, before the next one starts.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module], compressed: Sequence[int]) -> None:
+        self.compressed = frozenset(compressed)
+        self.current = -1
+        self.hooks = [
+            layer.register_forward_pre_hook(lambda *_, i=i: self._start(i))
+            for i, layer in enumerate(layers)
+        ]
+
+    def _start(self, index: int) -> None:
+        self.current = index
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        return self.current in self.compressed and t.dtype in (torch.bfloat16, torch.float16)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()

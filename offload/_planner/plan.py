@@ -46,11 +46,13 @@ from offload._planner.levers import (
     LEVERS,
     OFFLOADED,
     RECOMPUTED,
+    CompressedLayers,
     KeptKeys,
     Recompute,
     check_levers,
     summary,
 )
+from offload._planner.search import compression
 from offload._planner.verify import verified
 from offload.config import _check_int
 
@@ -73,10 +75,15 @@ class Plan:
         min_tensor_bytes: ``min_tensor_bytes`` of the offloader. Default ``256 * 1024``.
         measured: what :func:`plan` measured (per configuration: step seconds and
             activation peak), for the report.
+        compressed: with ``compress``, per layer whether an offloaded layer travels
+            compressed (``False``: exactly). Default ``None``: every offloaded layer is
+            compressed. :func:`plan` compresses only the layers where the cost model
+            predicts it buys time.
 
     Raises:
         TypeError: ``levers`` is not a sequence of names.
-        ValueError: wrong number of levers, an unknown lever, the last layer offloaded.
+        ValueError: wrong number of levers, an unknown lever, the last layer offloaded,
+            ``compressed`` of the wrong length or without ``compress``.
 
     Example:
         >>> import torch, offload
@@ -98,6 +105,7 @@ class Plan:
         compress: str | None = None,
         min_tensor_bytes: int = 256 * 1024,
         measured: dict[str, Any] | None = None,
+        compressed: Sequence[bool] | None = None,
     ) -> None:
         self.layers = list(layers)
         self.levers = list(check_levers(levers, "levers"))
@@ -112,6 +120,19 @@ class Plan:
                 f"as soon as its forward ends: nothing to hide the copy behind); use 'keep' "
                 f"or a recompute lever"
             )
+        if compressed is not None:
+            compressed = [bool(x) for x in compressed]
+            if len(compressed) != len(self.layers):
+                raise ValueError(
+                    f"compressed has {len(compressed)} entries for {len(self.layers)} "
+                    f"layers; give one per layer"
+                )
+            if compress is None:
+                raise ValueError(
+                    "compressed is set but compress=None: nothing is compressed; pass "
+                    "compress='fp8', or drop compressed"
+                )
+        self.compressed = compressed
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.compress = compress
@@ -120,6 +141,7 @@ class Plan:
         self._wrappers: list[Recompute] = []
         self._offloader: Any = None
         self._handle: Any = None
+        self._filter: CompressedLayers | None = None
         #: per layer, what its selective recompute was seen to use (:class:`KeptKeys`), learnt
         #: by :func:`plan`'s measuring steps and handed to the selective wrappers of
         #: every plan made from them, so that their first step keeps no more than the
@@ -137,7 +159,7 @@ class Plan:
 
     @property
     def predicted_seconds(self) -> float | None:
-        return None if self.costs is None else self.costs.seconds(self.levers)
+        return None if self.costs is None else self.costs.seconds(self.levers, self.compressed)
 
     @property
     def predicted_bytes(self) -> float | None:
@@ -159,9 +181,10 @@ class Plan:
                 (``float`` in ``(0, 1]``).
             step_fn: with ``model``, check the choice as :func:`plan` does: apply the
                 fastest predicted plans in turn until one's measured peak fits, then
-                measure the next few predicted almost as fast and keep the fastest
-                measured that fits. Default ``None``: the model's choice, unchecked (no
-                step runs).
+                measure the next few predicted almost as fast and the single-lever plans
+                predicted to fit, and keep the fastest measured that fits (never slower
+                than the best single lever). Default ``None``: the model's choice,
+                unchecked (no step runs).
             model: the module whose forward runs the layers (with ``step_fn``).
             steps: measured steps per plan checked (after one warm-up). Default ``3``.
 
@@ -184,6 +207,7 @@ class Plan:
                 compress=self.compress,
                 min_tensor_bytes=self.min_tensor_bytes,
                 measured=dict(self.measured),
+                compressed=compression(c, levers) if self.compress else None,
             )
             made._learnt = self._learnt
             return made
@@ -228,10 +252,14 @@ class Plan:
         try:
             offloaded = [i for i, lever in enumerate(self.levers) if lever in OFFLOADED]
             if offloaded:
+                if self.compress is not None and self.compressed is not None:
+                    chosen = [i for i, c in enumerate(self.compressed) if c]
+                    self._filter = CompressedLayers(self.layers, chosen)
                 self._offloader = ActivationOffloader(
                     self.layers,
                     offload_layers=offloaded,
                     compress=self.compress,
+                    compress_filter=self._filter,
                     min_tensor_bytes=self.min_tensor_bytes,
                 )
             for i, (layer, lever) in enumerate(zip(self.layers, self.levers)):
@@ -251,6 +279,9 @@ class Plan:
         for wrapper in reversed(self._wrappers):
             wrapper.remove()
         self._wrappers.clear()
+        if self._filter is not None:
+            self._filter.remove()
+            self._filter = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -277,9 +308,68 @@ class Plan:
             "predicted_bytes": self.predicted_bytes,
             "budget_bytes": self.budget_bytes,
             "compress": self.compress,
+            "compressed": self.compressed,
             "costs": None if self.costs is None else self.costs.to_dict(),
             "measured": self.measured,
+            "errors": self.prediction_errors(),
         }
+
+    def prediction_errors(self) -> list[dict[str, Any]]:
+        """How far the cost model was from what :func:`plan` measured, one row per
+        measured configuration: no lever (``"none"``) and each lever on every layer
+        (``"all offload"``, ...; the predictions are anchored on the first, and the
+        recompute levers' memory and time and, with ``compress``, the time of
+        offloading are fitted to the others: ``"fitted"`` lists what was, whose error
+        is about 0 by construction), then each plan the verification measured
+        (``"plan"``, ``"rival"``, ``"single <lever>"``). Each row: ``name``, ``levers``,
+        predicted and
+        measured seconds and bytes, and ``time_error``/``memory_error`` (predicted /
+        measured - 1). Empty for a plan made by hand."""
+        c = self.costs
+        if c is None:
+            return []
+        L = c.num_layers
+        every = {
+            "none": ["keep"] * L,
+            "offload": ["offload"] * (L - 1) + ["keep"],
+            "selective": ["selective"] * L,
+            "checkpoint": ["checkpoint"] * L,
+        }
+        fitted = {
+            "none": ["seconds", "bytes"],
+            "offload": ["seconds"] if self.compress is not None else [],
+            "selective": ["seconds", "bytes"],
+            "checkpoint": ["seconds", "bytes"],
+        }
+        rows = []
+        for name, got in self.measured.get("configs", {}).items():
+            levers = every.get(name)
+            if levers is None:
+                continue
+            rows.append(
+                _error_row(
+                    "none" if name == "none" else f"all {name}",
+                    levers,
+                    c,
+                    got["seconds"],
+                    got["peak_bytes"],
+                )
+                | {"fitted": fitted.get(name, [])}
+            )
+        for check in self.measured.get("checks", []):
+            name = check.get("single")
+            label = f"single {name}" if name else ("rival" if check["rival"] else "plan")
+            seconds = check.get("pooled_seconds", check["measured_seconds"])
+            row = _error_row(
+                label,
+                check["levers"],
+                c,
+                seconds,
+                check["measured_bytes"],
+                check.get("compressed"),
+            )
+            rows.append(row | {"fitted": []})
+        return rows
 
     def table(self) -> Any:
         """A :class:`rich.table.Table`: one row per layer (lever, bytes kept between
@@ -304,6 +394,27 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({summary(self.levers)})"
+
+
+def _error_row(
+    name: str,
+    levers: list[str],
+    c: PlanCosts,
+    seconds: float,
+    peak: float | None,
+    compressed: list[bool] | None = None,
+) -> dict[str, Any]:
+    t, m = c.seconds(levers, compressed), c.memory(levers)
+    return {
+        "name": name,
+        "levers": list(levers),
+        "predicted_seconds": t,
+        "measured_seconds": seconds,
+        "time_error": t / seconds - 1.0 if seconds else None,
+        "predicted_bytes": m,
+        "measured_bytes": peak,
+        "memory_error": m / peak - 1.0 if peak else None,
+    }
 
 
 def _budget_bytes(budget: Any, activation_bytes: float) -> float:
@@ -395,8 +506,10 @@ def plan(
             offloaders are entered around its forward).
         levers: the levers the plan may use. Default: :data:`DEFAULT_LEVERS` (every
             lever of :data:`LEVERS`).
-        compress: ``None`` (default) or ``"fp8"``: offloaded layers travel compressed
-            (lossy, see :class:`~offload.ActivationOffloader`).
+        compress: ``None`` (default) or ``"fp8"``: offloaded layers may travel
+            compressed (lossy, see :class:`~offload.ActivationOffloader`); the plan
+            compresses only the layers where the model predicts it buys time
+            (:attr:`Plan.compressed`).
         min_tensor_bytes: of the offloader. Default ``256 * 1024``.
         steps: measured steps per configuration (>= 1). Default ``3``.
         warmup: unmeasured steps before them (>= 1: the first step of a fresh model
@@ -405,8 +518,11 @@ def plan(
             warm-up) and, when its peak exceeds the budget (the model errs by a few
             percent), plan again with room for the error seen and try that plan, up to
             ``VERIFY_CANDIDATES`` plans; then measure up to ``VERIFY_RIVALS`` plans
-            predicted within ``VERIFY_CLOSE`` of the one that fits, measure those that
-            fit again in ``VERIFY_ROUNDS`` alternating rounds and keep the fastest
+            predicted within ``VERIFY_CLOSE`` of the one that fits, and every plan of a
+            single lever predicted to fit (nothing, offloading all that hides,
+            selective or full recompute of every layer, full recompute with offloaded
+            inputs); measure those that fit again in ``VERIFY_ROUNDS`` alternating
+            rounds and keep the fastest, never a plan slower than the best single lever
             (constants of ``offload/_planner/verify.py``). Default ``True``.
 
     The activation peak is measured above what is allocated before each step, gradients

@@ -16,6 +16,11 @@ near the fastest families found, which keeps the number of plans about that of
 within the budget), which reaches the plans outside that form that mixed layer kinds
 favour. The tests check the result against brute force over every assignment on small
 models.
+
+The single-lever plans (:func:`single_levers`: nothing, offloading all that hides,
+selective or full recompute of every layer, full recompute with offloaded inputs) are
+always among the candidates when they fit: :mod:`~offload._planner.verify` measures the
+best of them against the choice, so that a plan is never slower than the obvious one.
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ from collections.abc import Callable, Sequence
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import LEVERS, OFFLOADED, check_levers, summary
 
-__all__ = ["FULL_SEARCH", "POLISHED", "REFINED", "candidates", "optimize"]
+__all__ = [
+    "COMPRESS_GAIN",
+    "FULL_SEARCH",
+    "HIDDEN_SLOWDOWN",
+    "POLISHED",
+    "REFINED",
+    "candidates",
+    "compression",
+    "optimize",
+    "single_levers",
+]
 
 #: How many of the fastest family plans :func:`candidates` improves layer by layer.
 POLISHED = 4
@@ -35,6 +50,60 @@ POLISHED = 4
 #: :data:`REFINED` fastest families (the search stays about as fast as at this size).
 FULL_SEARCH = 16
 REFINED = 8
+
+#: A layer travels compressed only when that lowers the predicted step by more than
+#: this fraction (compression is lossy: a gain within the model's noise is not one).
+COMPRESS_GAIN = 1e-3
+
+#: "Offload all that hides": the most layers offloaded (a prefix, as
+#: ``offload_layers="auto"`` chooses them) whose predicted step is within this fraction
+#: of the step without levers (``"auto"``'s default ``max_slowdown``).
+HIDDEN_SLOWDOWN = 0.03
+
+
+def compression(costs: PlanCosts, levers: Sequence[str]) -> list[bool]:
+    """Which offloaded layers of ``levers`` travel compressed (``costs`` measured with
+    ``compress``): none at first, then, one layer at a time, every layer whose
+    compression lowers the predicted step, until none does. Compression is lossy: a
+    layer whose copies hide anyway travels exactly."""
+    L = costs.num_layers
+    mask = [False] * L
+    best = costs.seconds(levers, mask)
+    improved = True
+    while improved:
+        improved = False
+        for i, lever in enumerate(levers):
+            if mask[i] or lever not in OFFLOADED:
+                continue
+            trial = mask[:i] + [True] + mask[i + 1 :]
+            t = costs.seconds(levers, trial)
+            if t < best * (1.0 - COMPRESS_GAIN):
+                mask, best, improved = trial, t, True
+    return mask
+
+
+def single_levers(costs: PlanCosts, levers: Sequence[str] = LEVERS) -> list[tuple[str, list[str]]]:
+    """The plans of one lever, as ``(name, levers)``, those of ``levers`` only:
+    ``"keep"`` (nothing), ``"offload"`` (the longest prefix of layers whose copies the
+    link hides within :data:`HIDDEN_SLOWDOWN`; absent when not even one layer's does),
+    ``"selective"``, ``"checkpoint"`` (every layer) and ``"checkpoint_offload"``
+    (every layer but the last, which is checkpointed: its inputs stay, as the offloader
+    never offloads the last layer)."""
+    allowed = set(check_levers(levers, "levers")) | {"keep"}
+    L = costs.num_layers
+    out: list[tuple[str, list[str]]] = [("keep", ["keep"] * L)]
+    if "offload" in allowed and L > 1:
+        limit = costs.seconds(["keep"] * L) * (1.0 + HIDDEN_SLOWDOWN)
+        hides = [k for k in range(1, L) if costs.seconds(_family(L, k, 0, 0, 0)) <= limit]
+        if hides:
+            out.append(("offload", _family(L, max(hides), 0, 0, 0)))
+    for lever in ("selective", "checkpoint"):
+        if lever in allowed:
+            out.append((lever, [lever] * L))
+    if "checkpoint_offload" in allowed and L > 1:
+        last = "checkpoint" if "checkpoint" in allowed else "keep"
+        out.append(("checkpoint_offload", ["checkpoint_offload"] * (L - 1) + [last]))
+    return out
 
 
 def _family(L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint") -> list[str]:
@@ -140,6 +209,14 @@ def candidates(
         best = sorted((t, f) for f, t in families.items() if t != float("inf"))
         for _, f in best[:REFINED]:
             search(stride, f)
+    seen = {tuple(levers) for _, levers in found}
+    for _, single in single_levers(costs, sorted(allowed)):
+        mem = costs.memory(single)
+        if mem <= budget_bytes and tuple(single) not in seen:
+            seen.add(tuple(single))
+            found.append((costs.seconds(single), single))
+        elif mem > budget_bytes and (smallest is None or mem < smallest[0]):
+            smallest = (mem, single)
     if not found:
         assert smallest is not None
         raise ValueError(
@@ -152,7 +229,6 @@ def candidates(
     # then improve the best few one layer at a time (plans outside the family: an
     # input-offloaded checkpoint before a selective_offload layer, a plain checkpoint
     # between offloaded ones); improved plans that are new join the list
-    seen = {tuple(levers) for _, levers in found}
     for _, levers in found[:POLISHED]:
         better = _polish(costs, budget_bytes, levers, sorted(allowed), key)
         if tuple(better) not in seen:
