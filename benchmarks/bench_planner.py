@@ -13,7 +13,7 @@ and the ``offload k`` rows)::
     PYTHONPATH=. python3 benchmarks/bench_planner.py --compress fp8 --out bench_planner_fp8.json
 
 CPU smoke run (tiny sizes; checks only that the script runs end to end: ``offload.plan``
-needs CUDA, so it is skipped and the plans are chosen with ``offload._planner.optimize``
+needs CUDA, so it is skipped and the plans are chosen with ``offload._planner.search.optimize``
 on a synthetic :class:`offload.PlanCosts`; CUDA-only columns print n/a)::
 
     PYTHONPATH=. python3 benchmarks/bench_planner.py --quick --device cpu --out /tmp/p.json
@@ -26,7 +26,7 @@ bf16 weights, seed 0; ``--quick``: ``ReferenceModel(8, 64, 4, 128)``. A step is
 step (its bytes are in every row's peak alike). Gradients are never zeroed: they
 accumulate across all steps of the run, as they do inside ``offload.plan``.
 
-Measuring (the semantics of ``offload._planner._run``): per configuration ``--warmup``
+Measuring (the semantics of ``offload._planner.verify.measure_step``): per configuration ``--warmup``
 unmeasured steps, then ``--steps`` timed steps; before each step a device
 synchronisation, ``memory_allocated()`` ("before": weights, gradients) and
 ``reset_peak_memory_stats()``; CUDA events around the step (``perf_counter`` on the CPU).
@@ -139,7 +139,8 @@ from _common import (
 )
 
 import offload
-from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, optimize
+from offload import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts
+from offload._planner.search import optimize
 from offload._reference import ReferenceModel
 from offload.profiling import format_bytes
 
@@ -176,7 +177,7 @@ QUICK = ModelConfig(layers=8, hidden=64, heads=4, ffn=128, seq=32, batch=1)
 def measure(
     step: Callable[[], None], device: torch.device, steps: int, warmup: int
 ) -> dict[str, Any]:
-    """``offload._planner._run``'s semantics, keeping every raw value: median step ms
+    """``offload._planner.verify.measure_step``'s semantics, keeping every raw value: median step ms
     (CUDA events) and the largest activation peak over the timed steps."""
     cuda = device.type == "cuda"
     timer = Timer(device)

@@ -52,7 +52,7 @@ def main() -> None:
     if cuda:
         plan = offload.plan(step, model.layers, budget=args.budget, model=model)
         plan.report()
-        from offload._planner import _run
+        from offload._planner.verify import measure_step as _run
 
         before = _run(step, 3, 1)
         plan.apply(model)

@@ -7,7 +7,9 @@ created until the first forward that offloads something.
 from offload import integrations, main_grad, nn
 from offload._checkpoint import CheckpointOffloader, CheckpointStats, checkpoint, checkpoint_stats
 from offload._graphs import make_graphed_callables
-from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, plan
+from offload._planner.costs import PlanCosts
+from offload._planner.levers import DEFAULT_LEVERS, LEVERS
+from offload._planner.plan import Plan, plan
 from offload._profile import MemoryProfile, profile_step
 from offload.activations import (
     ActivationOffloader,
@@ -23,7 +25,7 @@ from offload.integrations.hf import find_layers
 from offload.profiling import LayerStats, OffloadStats
 from offload.weights import WeightOffloader
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # activation offloading

@@ -21,8 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from offload._measure import link_bandwidth
 from offload._plan import make_plan
 
 __all__ = ["AutoDecision", "LayerCost", "choose", "link_bandwidth", "predict_step"]
@@ -187,31 +186,3 @@ def choose(
         reason=reason,
         gap_s=gap_s,
     )
-
-
-_BANDWIDTH: dict[torch.device, tuple[float, float]] = {}
-
-
-def link_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
-    """Pinned host <-> ``device`` bytes per second (D2H, H2D), measured once per device
-    with a copy of ``nbytes`` each way (one host synchronisation, at the first decision).
-    """
-    cached = _BANDWIDTH.get(device)
-    if cached is not None:
-        return cached
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    out = []
-    with torch.cuda.stream(stream):
-        for dst, src in ((host, dev), (dev, host), (host, dev), (dev, host)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            out.append((start, end))
-    stream.synchronize()
-    d2h = nbytes / (out[2][0].elapsed_time(out[2][1]) / 1e3)  # the second of each: warm
-    h2d = nbytes / (out[3][0].elapsed_time(out[3][1]) / 1e3)
-    _BANDWIDTH[device] = (d2h, h2d)
-    return d2h, h2d

@@ -17,7 +17,7 @@ import torch
 
 from offload import _device
 from offload._handles import Kept, unpack_hook
-from offload._plan import Plan, plan_forward
+from offload._plan import Schedule, plan_forward
 from offload._scheduler import Step
 from offload.profiling import OffloadStats
 
@@ -125,7 +125,9 @@ class _LayerCapture:
             return  # a warm-up call: nothing is offloaded
         chosen = position in self.offloaded
         offloaded = frozenset({0}) if chosen else frozenset()
-        plan = Plan(1, offloaded, {}, {0: (0,)} if chosen else {}, lambda i, m: i == 0 and chosen)
+        plan = Schedule(
+            1, offloaded, {}, {0: (0,)} if chosen else {}, lambda i, m: i == 0 and chosen
+        )
         step = self.step = Step(self.off._runtime, plan)
         step.capture = "layer"
         step.open_group(module, (args, {}))

@@ -14,11 +14,11 @@ from typing import Any
 
 from offload.config import LayerSelection
 
-__all__ = ["Plan", "check_selection", "make_plan", "plan_forward", "resolve_selection"]
+__all__ = ["Schedule", "check_selection", "make_plan", "plan_forward", "resolve_selection"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Schedule:
     """Release and reload points of one forward of ``num_groups`` layer calls.
 
     ``release_at[r]`` lists the groups released when the forward of call ``r`` starts
@@ -42,7 +42,7 @@ def make_plan(
     offloaded: Sequence[int],
     prefetch_layers: int | None,
     select: Callable[[int, Any], bool] | None = None,
-) -> Plan:
+) -> Schedule:
     """The schedule of Note [release order] for ``offloaded`` (sorted) of ``num_groups``.
 
     With L calls and k offloaded groups s_0 < ... < s_{k-1}: group s_j is released when
@@ -63,7 +63,7 @@ def make_plan(
             q = min(L - 1, s + prefetch_layers)
         reload[q].append(s)
     chosen = frozenset(offloaded)
-    return Plan(
+    return Schedule(
         num_groups=L,
         offloaded=chosen,
         release_at={r: tuple(g) for r, g in release.items()},
@@ -90,7 +90,7 @@ def plan_forward(
     selection: LayerSelection,
     calls: Sequence[Any],
     prefetch_layers: int | None,
-) -> Plan:
+) -> Schedule:
     """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order."""
     select = resolve_selection(selection, len(calls))
     offloaded = [i for i, m in enumerate(calls) if select(i, m)]

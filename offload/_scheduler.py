@@ -194,7 +194,7 @@ from offload._handles import (
     inplace_message,
 )
 from offload._host_pool import HostBlock, HostPool
-from offload._plan import Plan
+from offload._plan import Schedule
 from offload._warn import warn_at_caller
 from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
@@ -538,7 +538,7 @@ class Step:
     next forward starts), and no object of a Step points back at one that points at it.
     """
 
-    def __init__(self, runtime: Runtime, plan: Plan) -> None:
+    def __init__(self, runtime: Runtime, plan: Schedule) -> None:
         self.rt = runtime
         self.cfg = runtime.config
         self.plan = plan

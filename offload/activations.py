@@ -14,7 +14,7 @@ import torch
 
 from offload import _device, _packing
 from offload._handles import unpack_hook
-from offload._plan import Plan, check_selection, plan_forward
+from offload._plan import Schedule, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
 from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
@@ -739,7 +739,7 @@ class _ManualContext:
         if self.manual:
             n = self.model_layers
             every = frozenset(range(n))
-            plan = Plan(n, every, {}, {}, lambda i, m: True)  # no release, no reload point
+            plan = Schedule(n, every, {}, {}, lambda i, m: True)  # no release, no reload point
         else:
             plan = plan_forward(
                 self.num_layers, [None] * self.model_layers, self.config.prefetch_layers

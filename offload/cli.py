@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from offload._planner import DEFAULT_LEVERS, LEVERS
+from offload._planner.levers import DEFAULT_LEVERS, LEVERS
 
 __all__ = ["main", "build_parser"]
 
@@ -46,6 +47,26 @@ class CliError(Exception):
     """A bad flag: the message names it and what it accepts."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped on spaces only: a long word (a path, a comma list) is
+    never broken inside, and neither is a hyphenated one."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = " ".join(text.split())
+        return textwrap.fill(
+            text,
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+
+
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument(
@@ -68,7 +89,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--heads",
         type=int,
-        help="attention heads; default hidden/128 (at least hidden/32 for small widths)",
+        help=(
+            "attention heads; default hidden/128 (hidden/32 for widths below 1024), "
+            "lowered to the nearest count that divides --hidden"
+        ),
     )
     model.add_argument("--ffn", type=int, help="MLP width; default 3.5 x hidden (14336 for 4096)")
     model.add_argument("--seq", type=int, help="sequence length; default 64 on CPU, 4096 on CUDA")
@@ -82,13 +106,18 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``offload`` command."""
+    from offload import __version__
+
     parser = argparse.ArgumentParser(
         prog="offload",
         description="Activation offloading to pinned host memory for PyTorch training.",
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"offload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "profile",
+        formatter_class=_HelpFormatter,
         help="measure memory saved and time spent by offloading on a model",
         description=(
             "Run forward + backward of a model without and with activation offloading "
@@ -136,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
+        formatter_class=_HelpFormatter,
         help="choose offload / recompute per layer for an activation-memory budget",
         description=(
             "Measure a model's step (CUDA) without levers and with each lever on every "
@@ -158,8 +188,8 @@ def _add_plan_parser(sub: Any) -> None:
     run.add_argument(
         "--levers",
         default=",".join(DEFAULT_LEVERS),
-        help=f"comma list of the levers the plan may use (of {','.join(LEVERS)}); "
-        f"default {','.join(DEFAULT_LEVERS)}",
+        help=f"comma list of the levers the plan may use, of: {', '.join(LEVERS)}; "
+        f"default all of them",
     )
     run.add_argument(
         "--compress", choices=["fp8"], help="offloaded layers travel compressed (lossy)"
@@ -221,12 +251,20 @@ def _plan(args: argparse.Namespace) -> int:
     bad = [x for x in levers if x not in LEVERS]
     if bad:
         raise CliError(f"--levers: unknown {bad}; accepted: {','.join(LEVERS)}")
+    if not torch.cuda.is_available():
+        raise CliError(
+            "offload plan measures step time and device memory, so it needs a CUDA device, "
+            "and none is available here; on this machine 'offload profile' runs, and "
+            "offload.Plan(layers, levers) applies a plan chosen by hand"
+        )
     device = _device(args.device or "cuda")
     if device.type != "cuda":
         raise CliError(
-            "offload plan measures device time and memory: it needs a CUDA device (--device cuda)"
+            f"--device={args.device}: offload plan needs a CUDA device (it measures step "
+            f"time and device memory); accepted: cuda, cuda:N"
         )
     dtype = _DTYPES[args.dtype or _DEFAULTS[device.type]["dtype"]]
+    _check_compress(args.compress, dtype)
     build = _hugging_face if args.hf_config else _reference
     model, layers, loss_fn, description = build(args, device, dtype)
 
@@ -252,11 +290,11 @@ def _plan(args: argparse.Namespace) -> int:
     chosen.report(console)
     result = chosen.to_dict()
     if args.measure:
-        from offload._planner import _run
+        from offload._planner.verify import measure_step
 
         chosen.apply(model)
         try:
-            got = _run(step, max(args.steps, 5), max(args.warmup, 1))
+            got = measure_step(step, max(args.steps, 5), max(args.warmup, 1))
         finally:
             chosen.remove()
         t, m = chosen.predicted_seconds, chosen.predicted_bytes
@@ -355,6 +393,24 @@ def _check_plot(path: str | None) -> None:
         ) from None
 
 
+def _default_heads(hidden: int) -> int:
+    """hidden/128 heads (hidden/32 below 1024), lowered to the nearest count that
+    divides ``hidden`` (1 always does)."""
+    target = max(1, hidden // 128 if hidden >= 1024 else hidden // 32)
+    return next(h for h in range(target, 0, -1) if hidden % h == 0)
+
+
+def _check_compress(compress: str | None, dtype: torch.dtype) -> None:
+    """``--compress fp8`` compresses bf16 and fp16 tensors; refuse it on a float32 model,
+    where it would compress nothing."""
+    if compress is not None and dtype == torch.float32:
+        raise CliError(
+            f"--compress {compress} compresses bfloat16 and float16 activations (float32 "
+            f"ones travel exactly), and the model is float32 (the CPU default), so nothing "
+            f"would be compressed; add --dtype bf16 (or fp16)"
+        )
+
+
 def _reference(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
     """The reference stack, its layers and a step function."""
     from offload._reference import ReferenceModel
@@ -362,7 +418,7 @@ def _reference(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     defaults = _DEFAULTS[device.type]
     layers = args.layers or defaults["layers"]
     hidden = args.hidden or defaults["hidden"]
-    heads = args.heads or (hidden // 128 if hidden >= 1024 else max(1, hidden // 32))
+    heads = args.heads or _default_heads(hidden)
     ffn = args.ffn or max(64, round(hidden * 3.5 / 64) * 64)
     if hidden % heads:
         raise CliError(f"--heads={heads}: must divide --hidden={hidden}")
@@ -376,6 +432,31 @@ def _reference(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         f"ffn {ffn}, seq {seq}, batch {batch}, {str(dtype).removeprefix('torch.')}"
     )
     return model, list(model.layers), (lambda: model.loss(x)), description
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    line = lines[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _check_model_type(path: Path, transformers: Any) -> None:
+    """A ``model_type`` transformers does not know, in one line (its own message is a
+    paragraph of upgrade advice)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # from_pretrained says what is wrong with the file
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise CliError(
+            f"--hf-config {path}: model_type {model_type!r} is not known to transformers "
+            f"{transformers.__version__}; fix model_type in the config, or install a "
+            f"transformers that has it"
+        )
 
 
 def _hugging_face(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
@@ -398,10 +479,11 @@ def _hugging_face(args: argparse.Namespace, device: torch.device, dtype: torch.d
         ) from None
     from offload.integrations.hf import find_layers
 
+    _check_model_type(path, transformers)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise CliError(f"--hf-config {path}: not a usable config ({exc})") from None
+        raise CliError(f"--hf-config {path}: not a usable config ({_first_line(exc)})") from None
     if args.layers is not None:
         config.num_hidden_layers = args.layers
     config.use_cache = False
@@ -460,6 +542,7 @@ def _profile(args: argparse.Namespace) -> int:
     _check_sizes(args)
     device = _device(args.device)
     dtype = _DTYPES[args.dtype or _DEFAULTS[device.type]["dtype"]]
+    _check_compress(args.compress, dtype)
     _check_plot(args.plot)
     build = _hugging_face if args.hf_config else _reference
     model, layers, loss_fn, description = build(args, device, dtype)

@@ -14,8 +14,14 @@ import pytest
 import torch
 
 import offload
-from offload import _planner
-from offload._planner import LEVERS, OFFLOADED, Plan, PlanCosts, optimize
+from offload._planner import levers as _levers
+from offload._planner import plan as _plan_module
+from offload._planner import search as _search
+from offload._planner import verify as _verify
+from offload._planner.costs import PlanCosts
+from offload._planner.levers import LEVERS, OFFLOADED
+from offload._planner.plan import Plan
+from offload._planner.search import optimize
 from offload._reference import ReferenceModel
 
 MIB = 1 << 20
@@ -198,7 +204,7 @@ def test_every_lever_bitwise_on_reference_block(levers) -> None:
     model = _ref_model()
     ref = copy.deepcopy(model)
     p = Plan(model.layers, levers, min_tensor_bytes=0).apply(model)
-    for _ in range(3):  # the first step of a selective layer learns (_planner._Kept)
+    for _ in range(3):  # the first step of a selective layer learns (_levers.KeptKeys)
         x = torch.randn(2, 32, 64)
         want = _step(ref, x)
         got = _step(model, x)
@@ -209,7 +215,7 @@ def test_every_lever_bitwise_on_reference_block(levers) -> None:
         for la, lever in zip(stats.layers, levers):
             assert (la.bytes_offloaded > 0) == (lever in OFFLOADED)
     for layer, lever in zip(model.layers, levers):
-        recomputed = lever in _planner.RECOMPUTED
+        recomputed = lever in _levers.RECOMPUTED
         assert ("forward" in layer.__dict__) == recomputed
     p.remove()
     assert all("forward" not in layer.__dict__ for layer in model.layers)
@@ -248,7 +254,7 @@ def test_selective_keeps_products_and_learns_what_the_recompute_never_uses(
     needs: the recompute stops before it) is kept on the first step only, which
     learns that no recompute uses it. Bitwise equal on every step."""
     packed: list[int] = []
-    real_init = _planner._KeepOutputs.__init__
+    real_init = _levers.KeepOutputs.__init__
 
     def spy_init(self, pack, storage, kept):
         def counting(t):
@@ -257,7 +263,7 @@ def test_selective_keeps_products_and_learns_what_the_recompute_never_uses(
 
         real_init(self, counting, storage, kept)
 
-    monkeypatch.setattr(_planner._KeepOutputs, "__init__", spy_init)
+    monkeypatch.setattr(_levers.KeepOutputs, "__init__", spy_init)
     model = _ref_model()
     ref = copy.deepcopy(model)
     levers = [lever] * 3 + ["keep"]
@@ -325,7 +331,7 @@ def test_a_skipped_output_the_recompute_reaches_runs_and_is_kept_again() -> None
 
 
 def test_kept_learns_only_what_no_recompute_used() -> None:
-    kept = _planner._Kept()
+    kept = _levers.KeptKeys()
     kept.learn({("b", 0)}, {("a", 0)})  # a asked for, b left in the storage
     assert kept.unused == {("b", 0)}
     kept.learn(set(), {("a", 0), ("b", 0)})  # b was skipped, then reached
@@ -416,14 +422,14 @@ def test_plan_errors_and_report() -> None:
 
 
 def test_budget_argument_checks() -> None:
-    assert _planner._budget_bytes(0.5, 1000.0) == 500.0
-    assert _planner._budget_bytes(300, 1000.0) == 300.0
+    assert _plan_module._budget_bytes(0.5, 1000.0) == 500.0
+    assert _plan_module._budget_bytes(300, 1000.0) == 300.0
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):
-        _planner._budget_bytes(1.5, 1000.0)
+        _plan_module._budget_bytes(1.5, 1000.0)
     with pytest.raises(TypeError, match="budget must be"):
-        _planner._budget_bytes("half", 1000.0)
+        _plan_module._budget_bytes("half", 1000.0)
     with pytest.raises(ValueError, match="> 0"):
-        _planner._budget_bytes(0, 1000.0)
+        _plan_module._budget_bytes(0, 1000.0)
 
 
 def test_plan_needs_a_model_and_cuda() -> None:
@@ -453,10 +459,11 @@ def test_cli_plan_flags(capsys) -> None:
 def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeypatch) -> None:
     """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
     applied and measured; one whose measured peak exceeds the budget is passed over."""
-    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
-    ranked = _planner.candidates(c, budget)
+    ranked = _search.candidates(c, budget)
     assert len(ranked) > 1 and ranked[0][0] <= ranked[1][0]
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
     base = Plan(layers, ["keep"] * 4, costs=c, budget_bytes=None, min_tensor_bytes=0)
@@ -466,7 +473,7 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
         step_fn()
         return {"seconds": 1.0, "peak_bytes": next(measured), "times": [1.0] * steps}
 
-    monkeypatch.setattr(_planner, "_run", fake_run)
+    monkeypatch.setattr(_verify, "measure_step", fake_run)
     calls = []
     got = base.replan(
         int(budget), step_fn=lambda: calls.append(1), model=torch.nn.Sequential(*layers)
@@ -474,13 +481,15 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     # the first plan measured 5 % of the budget above it: the next one tried is the
     # fastest predicted to fit with half that much room (the first retry's)
     error = budget * 1.05 - c.memory(ranked[0][1])
-    want = [lv for _, lv in _planner.candidates(c, int(budget) - error / 2) if lv != ranked[0][1]]
+    want = [lv for _, lv in _search.candidates(c, int(budget) - error / 2) if lv != ranked[0][1]]
     assert got.levers == want[0]
     checks = got.measured["checks"]
     assert [ch["fits"] for ch in checks] == [False, True] and len(calls) == 2
     assert not any("forward" in layer.__dict__ for layer in layers)  # trials removed
     monkeypatch.setattr(
-        _planner, "_run", lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget, "times": [1.0]}
+        _verify,
+        "measure_step",
+        lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget, "times": [1.0]},
     )
     with pytest.raises(ValueError, match="measured above it"):
         base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
@@ -491,11 +500,12 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     fails, the plan tried next is the fastest predicted to fit with half that much room
     (not the next of the first ranking, which may sit just as close to the budget);
     after a second miss, with all of it, and that one fits."""
-    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=5, bps=1e15)
     budget = c.memory(["keep"] * 5) * 0.45
     error = 0.1 * budget
-    ranked = _planner.candidates(c, budget)
+    ranked = _search.candidates(c, budget)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(5))
     base = Plan(layers, ["keep"] * 5, costs=c, budget_bytes=None, min_tensor_bytes=0)
     tried: list[list[str]] = []
@@ -508,14 +518,14 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     def fake_run(step_fn, steps, warmup):
         return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error, "times": [1.0]}
 
-    monkeypatch.setattr(_planner, "_run", fake_run)
+    monkeypatch.setattr(_verify, "measure_step", fake_run)
     monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert c.memory(ranked[0][1]) + error > budget  # the first choice fails
     assert tried[0] == ranked[0][1]
-    half = [lv for _, lv in _planner.candidates(c, int(budget) - error / 2)]
+    half = [lv for _, lv in _search.candidates(c, int(budget) - error / 2)]
     assert tried[1] == next(lv for lv in half if lv != tried[0])
-    room = [lv for _, lv in _planner.candidates(c, int(budget) - error)]
+    room = [lv for _, lv in _search.candidates(c, int(budget) - error)]
     assert got.levers == tried[-1] and got.levers in room and len(tried) <= 3
     assert c.memory(got.levers) + error <= budget
     fits = [ch["fits"] for ch in got.measured["checks"]]
@@ -525,16 +535,17 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
 def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     """An error so large that no plan is predicted to fit with room for it (one plan's
     error, not every plan's): the next plan tried is the next of the first ranking."""
-    monkeypatch.setattr(_planner, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
-    ranked = _planner.candidates(c, budget)
+    ranked = _search.candidates(c, budget)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
     base = Plan(layers, ["keep"] * 4, costs=c, budget_bytes=None, min_tensor_bytes=0)
     measured = iter([budget * 3, budget * 0.99])
     monkeypatch.setattr(
-        _planner,
-        "_run",
+        _verify,
+        "measure_step",
         lambda *a: {"seconds": 1.0, "peak_bytes": next(measured), "times": [1.0]},
     )
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
@@ -549,12 +560,13 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     over the model's choice); a faster plan over the budget is not re-measured or kept,
     a rival that only measured fast once loses, and plans predicted further away are
     not measured at all."""
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)  # the rivals part only
     c = _costs(L=6, bps=20e9)
     budget = c.memory(["keep"] * 6) * 0.55
-    ranked = _planner.candidates(c, budget)
-    close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + _planner.VERIFY_CLOSE)]
+    ranked = _search.candidates(c, budget)
+    close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + _verify.VERIFY_CLOSE)]
     assert len(close) >= 3, ranked[:5]  # the test needs three rivals
-    assert _planner.VERIFY_ROUNDS == 2
+    assert _verify.VERIFY_ROUNDS == 2
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
     base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
     tried: list[list[str]] = []
@@ -569,7 +581,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
         blocks: dict[tuple[str, ...], int] = {}
 
         def fake_run(step_fn, steps, warmup):
-            assert steps == 3 and warmup == _planner.VERIFY_WARMUP
+            assert steps == 3 and warmup == _verify.VERIFY_WARMUP
             key = tuple(tried[-1])
             peak, seconds = table[key]
             i = blocks.get(key, 0)
@@ -588,7 +600,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
         tuple(r2): (ok, [0.85, 0.95, 0.95]),
         tuple(r3): (ok, [0.95, 0.9, 0.9]),
     }
-    monkeypatch.setattr(_planner, "_run", run_with(table))
+    monkeypatch.setattr(_verify, "measure_step", run_with(table))
     monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert tried == [chosen, r1, r2, r3] + [r3, r2, chosen] + [chosen, r2, r3]
@@ -600,23 +612,23 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     assert [len(ch["times"]) for ch in checks] == [9, 3, 9, 9]
     # the fastest pooled rival is less than VERIFY_GAIN faster: the model's choice stays
     tried.clear()
-    near = 1.0 - _planner.VERIFY_GAIN / 2
+    near = 1.0 - _verify.VERIFY_GAIN / 2
     table[tuple(r2)] = (ok, [1.02] * 3)
     table[tuple(r3)] = (ok, [near] * 3)
-    monkeypatch.setattr(_planner, "_run", run_with(table))
+    monkeypatch.setattr(_verify, "measure_step", run_with(table))
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert got.levers == chosen and len(tried) == 10
     # no rival fits: no rounds
     tried.clear()
     for key in (tuple(r2), tuple(r3)):
         table[key] = (over, [0.5])
-    monkeypatch.setattr(_planner, "_run", run_with(table))
+    monkeypatch.setattr(_verify, "measure_step", run_with(table))
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert got.levers == chosen and tried == [chosen, r1, r2, r3]
     # nothing predicted close: only the model's choice is measured
     tried.clear()
-    monkeypatch.setattr(_planner, "VERIFY_CLOSE", 0.0)
-    monkeypatch.setattr(_planner, "_run", run_with(table))
+    monkeypatch.setattr(_verify, "VERIFY_CLOSE", 0.0)
+    monkeypatch.setattr(_verify, "measure_step", run_with(table))
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert all(t > ranked[0][0] for t, _ in ranked[1:])  # no tie either
     assert tried == [chosen] and got.levers == chosen
@@ -641,7 +653,7 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     (the GPU run of the same path is tests/test_planner_cuda.py)."""
     from offload import _auto, activations
 
-    monkeypatch.setattr(_planner, "_cuda_available", lambda: True)
+    monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
     real_init = activations._Auto.__init__
 
@@ -659,7 +671,7 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         runs.append((steps, warmup))
         return {"seconds": 0.01, "peak_bytes": next(peaks), "times": [0.01] * steps}
 
-    monkeypatch.setattr(_planner, "_run", fake_run)
+    monkeypatch.setattr(_verify, "measure_step", fake_run)
     model = _ref_model()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 32, 64)
@@ -852,10 +864,10 @@ def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
         )
         for fraction in (0.3, 0.6):
             cases.append((c, fraction * c.memory(["keep"] * L)))
-    assert L > _planner._FULL_SEARCH  # the strided search runs
-    strided = [_planner.candidates(c, budget)[0] for c, budget in cases]
-    monkeypatch.setattr(_planner, "_FULL_SEARCH", 1000)
-    full = [_planner.candidates(dataclasses.replace(c), budget)[0] for c, budget in cases]
+    assert L > _search.FULL_SEARCH  # the strided search runs
+    strided = [_search.candidates(c, budget)[0] for c, budget in cases]
+    monkeypatch.setattr(_search, "FULL_SEARCH", 1000)
+    full = [_search.candidates(dataclasses.replace(c), budget)[0] for c, budget in cases]
     for (c, budget), (t, levers), (want, _) in zip(cases, strided, full):
         assert c.memory(levers) <= budget
         assert t <= want * 1.01, (levers, t, want)

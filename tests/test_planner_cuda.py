@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-from offload._planner import _run
+from offload._planner.verify import measure_step as _run
 from offload._reference import ReferenceModel
 from tests.models import ON_CUDA_DETERMINISTIC
 
@@ -78,7 +78,7 @@ def test_selective_stops_keeping_what_the_recompute_never_uses(lever: str) -> No
     plans made by ``offload.plan`` do), the peak drops by one hidden-size tensor per
     selective layer under ``selective``, and that tensor no longer travels under
     ``selective_offload``; gradients stay bitwise."""
-    from offload._planner import _Kept
+    from offload._planner.levers import KeptKeys as _Kept
 
     torch.manual_seed(0)
     L, hidden = 4, 1024
@@ -127,3 +127,41 @@ def test_selective_stops_keeping_what_the_recompute_never_uses(lever: str) -> No
     else:
         assert full[1] - lean[1] == (L - 1) * down, (full, lean, down)
         assert lean[0] <= full[0]
+
+
+def test_memory_moments_account_for_the_step_without_levers() -> None:
+    """The planner reads the allocator's peak at every layer boundary: the workspace of
+    the layers and that of the head (here the loss) come out apart, and the model's raw
+    peak without levers, built from them, is the peak measured without levers (the
+    same step, measured twice), within the allocator's rounding."""
+    torch.manual_seed(0)
+    model = ReferenceModel(4, 1024, 8, 2816, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    base = offload.plan(
+        lambda: model.loss(x).backward(), model.layers, budget=1.0, model=model, verify=False
+    )
+    c = base.costs
+    assert c.head_bytes is not None and c.workspace_bytes > 0
+    keep = ["keep"] * c.num_layers
+    assert c.raw_memory(keep) == pytest.approx(c.activation_bytes, rel=0.05)
+
+
+def test_cli_plan_on_an_hf_config(tmp_path, capsys) -> None:
+    """``offload plan --hf-config`` end to end: measures, plans, prints the plan and how
+    far its predictions were from what it measured."""
+    transformers = pytest.importorskip("transformers")
+    from offload import cli
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1000,
+    )
+    cfg.save_pretrained(tmp_path)
+    argv = ["plan", "--hf-config", str(tmp_path), "--budget", "0.5", "--seq", "1024"]
+    assert cli.main([*argv, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "offload plan" in out and "the cost model against the steps measured" in out

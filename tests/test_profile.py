@@ -17,9 +17,8 @@ from torch import nn
 
 import offload
 from offload import MemoryProfile, cli
-from offload._profile import _example_dict
 from offload._render import largest_reason, ms_text, short_bytes
-from offload.profiling import LayerStats, OffloadStats
+from offload.profiling import LayerStats, OffloadStats, _example_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 B, D, F, L = 64, 32, 512, 3  # batch, width, hidden width of the MLP, layers
@@ -199,6 +198,41 @@ def test_errors() -> None:
         offload.profile_step(lambda: None, off, steps=1, warmup=0)
     assert type(off) is offload.ActivationOffloader and off.config.timing is False
     off.close()
+
+
+def test_a_step_without_backward_is_refused() -> None:
+    """A step function that runs only the forward would be reported as "forward +
+    backward": refused, naming backward; the offloader is left as it was."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Mlp() for _ in range(L))
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(B, D)
+
+    def forward_only():
+        with off:
+            y = x
+            for layer in layers:
+                y = layer(y)
+        return y.square().mean()  # never backward
+
+    with pytest.raises(RuntimeError, match="no backward"):
+        offload.profile_step(forward_only, off, steps=1, warmup=0)
+    assert off.config.timing is False and off._runtime.config.timing is False
+    off.close()
+
+
+def test_timing_ends_with_the_profile(profiled) -> None:
+    """The step prepared for the next forward after the profile is made with the
+    offloader's own config: timing stops with the profile."""
+    _, off, _ = profiled
+    layers = off._layers
+    with off:
+        y = torch.randn(B, D)
+        for layer in layers:
+            y = layer(y)
+    y.square().mean().backward()
+    assert off.stats.bytes_offloaded > 0
+    assert all(la.d2h_seconds is None for la in off.stats.layers)
 
 
 def test_cli_subprocess(tmp_path) -> None:

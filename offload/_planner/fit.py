@@ -1,0 +1,304 @@
+"""The cost model fitted to the user's step: the configurations :func:`offload.plan`
+measures and the :class:`~offload._planner.costs.PlanCosts` they give.
+
+Configurations, each ``warmup + steps`` steps on the same model and state: nothing; an
+offloader with ``offload_layers="auto"`` (its measuring forward gives each layer's
+forward and backward time and saved bytes, and the link bandwidth); every layer but the
+last offloaded; every layer selective; every layer checkpointed (levers not allowed are
+skipped); on CUDA, one more step without levers records the allocator's peak between
+every two layer boundaries, which gives the workspace of the layers' forwards and
+backwards and that of the head apart. The recompute fractions ``rho_sel`` and ``rho_ckpt`` are fitted so that the
+model predicts the measured peaks of the every-layer configurations; with
+``compress="fp8"``, a per-layer codec time so that it predicts the every-layer offload
+step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from offload import _measure
+from offload._planner import verify
+from offload._planner.costs import PlanCosts
+from offload._planner.levers import KeptKeys, Recompute
+from offload._timeline import Recorder
+
+__all__ = ["Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
+
+
+@dataclasses.dataclass
+class Measured:
+    """What :func:`measure_configs` measured.
+
+    Attributes:
+        configs: per configuration name (``"none"``, ``"offload"``, ``"selective"``,
+            ``"checkpoint"``): ``measure_step``'s dict (seconds, peak bytes, times).
+        forward_s, backward_s, saved_bytes: per layer, from the measuring forward.
+        link_bytes: per layer, the bytes offloading it sends (compressed when asked).
+        d2h_bps, h2d_bps: the link, bytes per second each way.
+        gap_s: device seconds between the last layer's forward and its backward.
+        learnt: per layer, what the selective configuration's recompute never used
+            (``None`` when it was not measured).
+        moments: ``(W, H)`` measured at each moment of the step without levers
+            (:func:`memory_moments`), or ``None``.
+    """
+
+    configs: dict[str, dict[str, Any]]
+    forward_s: list[float]
+    backward_s: list[float]
+    saved_bytes: list[int]
+    link_bytes: list[int]
+    d2h_bps: float
+    h2d_bps: float
+    gap_s: float
+    learnt: list[KeptKeys] | None = None
+    moments: tuple[int, int] | None = None
+
+
+def _with_offloader(
+    step_fn: Callable[[], Any], layers: list[torch.nn.Module], model: torch.nn.Module, **kw: Any
+) -> tuple[dict[str, Any], Any]:
+    """Measure ``step_fn`` with an offloader over ``layers`` attached to ``model``;
+    returns the measurement and the offloader's last stats."""
+    from offload.activations import ActivationOffloader
+
+    steps, warmup = kw.pop("steps"), kw.pop("warmup")
+    off = ActivationOffloader(layers, **kw)
+    handle = off.attach(model)
+    try:
+        got = verify.measure_step(step_fn, steps, warmup)
+        return got, off.stats
+    finally:
+        handle.remove()
+        off.close()
+
+
+def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
+    for layer in layers:
+        for t in (*layer.parameters(), *layer.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def memory_moments(
+    step_fn: Callable[[], Any], layers: Sequence[torch.nn.Module], saved: Sequence[int]
+) -> tuple[int, int] | None:
+    """``(W, H)`` of the step without levers (``offload/_planner/costs.py``): one step
+    with the allocator's peak read and reset at every layer boundary. ``W``: the most
+    any layer's forward or backward allocates beyond the layers' saved bytes held at
+    that moment (``saved``: per layer); ``H``: the most allocated between the last
+    layer's forward and its backward beyond all of them. ``None`` off CUDA, or when
+    the boundaries are not those of one call per layer."""
+    device = _device_of(layers)
+    if device.type != "cuda":
+        return None
+    rec = Recorder(device, peaks=True)
+    _measure.settle(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    handles = rec.attach(layers)
+    try:
+        step_fn()
+    finally:
+        for h in handles:
+            h.remove()
+    torch.cuda.synchronize(device)
+    marks = list(rec.peaks or [])
+    marks.append(("end", -1, torch.cuda.max_memory_allocated(device)))
+    return moments_of(marks, before, saved)
+
+
+def moments_of(
+    marks: Sequence[tuple[str, int, int]], before: int, saved: Sequence[int]
+) -> tuple[int, int] | None:
+    """``(W, H)`` from the peaks :func:`memory_moments` read: ``marks`` in time order,
+    each ``(kind, layer, bytes)`` with the most allocated since the mark before;
+    ``before``: allocated when the step started; ``saved``: per layer."""
+    L = len(saved)
+    held = [0]
+    for s in saved:
+        held.append(held[-1] + s)
+    forward: list[int] = []
+    backward: list[int] = []
+    head = None
+    # the peak read at a mark is that of the span since the mark before: the span
+    # after a layer's forward start is its forward, after its backward start its
+    # backward (which the next mark ends, whatever its kind: the next layer's backward
+    # start and this one's end are hooks on the same tensor)
+    for (kind, i, _), (_, _, peak) in zip(marks, marks[1:]):
+        if not 0 <= i < L:
+            return None
+        grown = peak - before
+        if kind == "forward_start":
+            forward.append(grown - held[i + 1])
+        elif kind == "forward_end" and i == L - 1:
+            head = grown - held[L]
+        elif kind == "backward_start":
+            backward.append(grown - held[i + 1])
+    if head is None or len(forward) != L or not backward:
+        return None
+    return max(0, max(forward + backward)), max(0, head)
+
+
+def _layer_costs(
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    model: torch.nn.Module,
+    min_tensor_bytes: int,
+) -> dict[str, Any]:
+    """The measuring forward of ``offload_layers="auto"``: per-layer costs and the link
+    (uncompressed bytes)."""
+    _, stats = _with_offloader(
+        step_fn,
+        layers,
+        model,
+        offload_layers="auto",
+        min_tensor_bytes=min_tensor_bytes,
+        steps=1,
+        warmup=1,
+    )
+    auto = stats.auto or {}
+    if "costs" not in auto:
+        raise RuntimeError(
+            f"the measuring forward did not produce layer costs ({auto.get('reason')!r}); "
+            f"does step_fn call model's forward once per step?"
+        )
+    if len(auto["costs"]) != len(layers):
+        raise RuntimeError(
+            f"the measuring forward saw {len(auto['costs'])} layer calls for {len(layers)} "
+            f"layers: each layer must be called once per forward"
+        )
+    return auto
+
+
+def measure_configs(
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    model: torch.nn.Module,
+    allowed: Sequence[str],
+    compress: str | None,
+    min_tensor_bytes: int,
+    steps: int,
+    warmup: int,
+) -> Measured:
+    """Run the configurations of the module docstring (levers not in ``allowed``
+    skipped) and collect what the cost model needs."""
+    L = len(layers)
+    configs: dict[str, dict[str, Any]] = {"none": verify.measure_step(step_fn, steps, warmup)}
+    auto = _layer_costs(step_fn, layers, model, min_tensor_bytes)
+    saved = [int(c["nbytes"]) for c in auto["costs"]]
+    moments = memory_moments(step_fn, layers, saved)
+    link = list(saved)
+    if ("offload" in allowed or "selective_offload" in allowed) and L > 1:
+        configs["offload"], stats = _with_offloader(
+            step_fn,
+            layers,
+            model,
+            offload_layers="all",
+            compress=compress,
+            min_tensor_bytes=min_tensor_bytes,
+            steps=steps,
+            warmup=warmup,
+        )
+        moved = sum(saved[: L - 1])
+        if moved and compress is not None:
+            ratio = stats.bytes_offloaded / moved
+            link = [int(s * ratio) for s in saved]
+    learnt: list[KeptKeys] | None = None
+    for lever in ("selective", "checkpoint"):
+        if lever in allowed or f"{lever}_offload" in allowed:
+            wrappers = [Recompute(layer, lever) for layer in layers]
+            try:
+                configs[lever] = verify.measure_step(step_fn, steps, warmup)
+            finally:
+                for w in reversed(wrappers):
+                    w.remove()
+            if lever == "selective":
+                learnt = [w.kept for w in wrappers]
+    return Measured(
+        configs=configs,
+        forward_s=[float(c["forward_s"]) for c in auto["costs"]],
+        backward_s=[float(c["backward_s"]) for c in auto["costs"]],
+        saved_bytes=saved,
+        link_bytes=link,
+        d2h_bps=auto["d2h_gbps"] * 1e9,
+        h2d_bps=auto["h2d_gbps"] * 1e9,
+        gap_s=float(auto.get("gap_s", 0.0)),
+        learnt=learnt,
+        moments=moments,
+    )
+
+
+def _fit(f: Callable[[float], float], target: float, hi: float) -> float:
+    """The ``x`` in ``[0, hi]`` with ``f(x)`` closest to ``target`` (``f`` grows)."""
+    lo = 0.0
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def fit_costs(m: Measured, compress: str | None) -> tuple[PlanCosts, dict[str, Any]]:
+    """The cost model of ``m``, and the fitted values (``selective_kept``,
+    ``checkpoint_kept``, ``offload_s``) by name."""
+    L = len(m.forward_s)
+    base_s, base_m = m.configs["none"]["seconds"], m.configs["none"]["peak_bytes"]
+    total_f = sum(m.forward_s) or 1.0
+    if m.moments is not None:
+        workspace, head = m.moments
+    else:
+        workspace, head = int(max(0.0, base_m - sum(m.saved_bytes))), None
+
+    def shares(lever: str) -> tuple[float, ...]:
+        extra_s = m.configs.get(lever, {}).get("seconds", base_s) - base_s
+        return tuple(max(0.0, extra_s) * f / total_f for f in m.forward_s)
+
+    def model_costs(**kw: Any) -> PlanCosts:
+        fields: dict[str, Any] = dict(
+            forward_s=m.forward_s,
+            backward_s=m.backward_s,
+            saved_bytes=m.saved_bytes,
+            link_bytes=m.link_bytes,
+            selective_kept=1.0,
+            checkpoint_kept=1.0,
+            selective_s=shares("selective"),
+            checkpoint_s=shares("checkpoint"),
+            d2h_bps=m.d2h_bps,
+            h2d_bps=m.h2d_bps,
+            workspace_bytes=workspace,
+            head_bytes=head,
+            gap_s=m.gap_s,
+            step_s=base_s,
+            activation_bytes=int(base_m),
+        )
+        fields.update(kw)
+        return PlanCosts(**fields)
+
+    fitted: dict[str, Any] = {}
+    for lever, name in (("selective", "selective_kept"), ("checkpoint", "checkpoint_kept")):
+        if lever in m.configs:
+            target = m.configs[lever]["peak_bytes"]
+            fitted[name] = _fit(
+                lambda x, n=name, lv=lever: model_costs(**{**fitted, n: x}).memory([lv] * L),
+                target,
+                1.0,
+            )
+    if compress is not None and "offload" in m.configs:
+        # the codec's kernels and the waits they add are not in the copy model: fit one
+        # cost per offloaded layer to the every-layer offload step
+        levers_all = ["offload"] * (L - 1) + ["keep"]
+        residual = m.configs["offload"]["seconds"] - model_costs(**fitted).seconds(levers_all)
+        per_layer = max(0.0, residual) / (L - 1)
+        fitted["offload_s"] = tuple(per_layer for _ in range(L))
+    return model_costs(**fitted), fitted

@@ -1,0 +1,565 @@
+"""The plan (one lever per layer: :class:`Plan`) and :func:`plan`, which measures the
+user's step, fits the cost model (``offload/_planner/costs.py``) to it, searches
+(``search.py``) and checks the choice by measuring it (``verify.py``).
+
+Levers (:data:`~offload._planner.levers.LEVERS`):
+
+* ``"keep"``: nothing; the layer's saved activations stay on the device.
+* ``"offload"``: :class:`offload.ActivationOffloader` copies them to host memory
+  (compressed with ``compress="fp8"`` when the plan is made with it).
+* ``"selective"``: selective recompute (``torch.utils.checkpoint`` with a pair of
+  dispatch modes, like PyTorch's ``create_selective_checkpoint_contexts``): the outputs
+  of matrix products and attention are kept, everything else (norms, activations, the
+  gated product, casts) is recomputed in backward. Outputs the recompute never reaches
+  (it stops after the last tensor the backward needs: in a transformer block, the MLP's
+  down projection) are not kept from the layer's second step on (``KeptKeys``).
+* ``"checkpoint"``: full recompute; only the layer's inputs are kept.
+* ``"checkpoint_offload"``: full recompute whose inputs (all the checkpoint keeps) are
+  offloaded: the layer keeps nothing on the device between its forward and its
+  backward, and the link carries only its inputs (a few percent of its activations).
+* ``"selective_offload"``: selective recompute whose kept tensors (the matrix products'
+  and attention's outputs) are offloaded like an ``"offload"`` layer's: the recompute
+  frees the cheap part, the link carries only what is expensive to recompute. Torch's
+  selective checkpointing keeps those outputs where saved-tensor hooks cannot see them,
+  so the selective levers have their own pair of dispatch modes (``KeepOutputs``,
+  ``RecomputeFromKept``), which here hand them to the offloader and take them back.
+  The layer's inputs, which the checkpoint saves through the saved-tensor hooks, travel
+  too.
+
+Both ``*_offload`` levers put their layer in the offloader's ``offload_layers``: what
+the checkpoint saves through saved-tensor hooks (its inputs) goes to the offloader like
+any saved tensor of an offloaded layer, on the same release and reload schedule.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from offload._planner.costs import PlanCosts
+from offload._planner.fit import fit_costs, measure_configs
+from offload._planner.levers import (
+    DEFAULT_LEVERS,
+    LEVERS,
+    OFFLOADED,
+    RECOMPUTED,
+    CompressedLayers,
+    KeptKeys,
+    Recompute,
+    check_levers,
+    summary,
+)
+from offload._planner.search import compression
+from offload._planner.verify import verified
+from offload.config import _check_int
+
+__all__ = ["Plan", "plan"]
+
+
+class Plan:
+    """One lever per layer, with what the planner predicted for it.
+
+    Made by :func:`plan` (measured) or :meth:`from_levers` (chosen by hand). Nothing
+    changes on the layers until :meth:`apply`; :meth:`remove` undoes it exactly.
+
+    Args:
+        layers: the layers, in call order (each called once per forward).
+        levers: one of :data:`LEVERS` per layer; the last layer cannot be ``"offload"``
+            or ``"selective_offload"``.
+        costs: the :class:`PlanCosts` the plan was chosen with, or ``None``.
+        budget_bytes: the budget it was chosen for, or ``None``.
+        compress: ``compress`` of the offloader (``None`` or ``"fp8"``).
+        min_tensor_bytes: ``min_tensor_bytes`` of the offloader. Default ``256 * 1024``.
+        measured: what :func:`plan` measured (per configuration: step seconds and
+            activation peak), for the report.
+        compressed: with ``compress``, per layer whether an offloaded layer travels
+            compressed (``False``: exactly). Default ``None``: every offloaded layer is
+            compressed. :func:`plan` compresses only the layers where the cost model
+            predicts it buys time.
+
+    Raises:
+        TypeError: ``levers`` is not a sequence of names.
+        ValueError: wrong number of levers, an unknown lever, the last layer offloaded,
+            ``compressed`` of the wrong length or without ``compress``.
+
+    Example:
+        >>> import torch, offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> p = offload.Plan(layers, ["checkpoint", "selective", "keep"])
+        >>> p = p.apply()
+        >>> y = layers[2](layers[1](layers[0](torch.randn(2, 8, requires_grad=True))))
+        >>> y.sum().backward()
+        >>> p.remove()
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.nn.Module],
+        levers: Sequence[str],
+        *,
+        costs: PlanCosts | None = None,
+        budget_bytes: float | None = None,
+        compress: str | None = None,
+        min_tensor_bytes: int = 256 * 1024,
+        measured: dict[str, Any] | None = None,
+        compressed: Sequence[bool] | None = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.levers = list(check_levers(levers, "levers"))
+        if len(self.levers) != len(self.layers):
+            raise ValueError(
+                f"levers has {len(self.levers)} entries for {len(self.layers)} layers; give one "
+                f"per layer"
+            )
+        if self.levers and self.levers[-1] in OFFLOADED:
+            raise ValueError(
+                f"levers: the last layer cannot be {self.levers[-1]!r} (its backward starts "
+                f"as soon as its forward ends: nothing to hide the copy behind); use 'keep' "
+                f"or a recompute lever"
+            )
+        if compressed is not None:
+            compressed = [bool(x) for x in compressed]
+            if len(compressed) != len(self.layers):
+                raise ValueError(
+                    f"compressed has {len(compressed)} entries for {len(self.layers)} "
+                    f"layers; give one per layer"
+                )
+            if compress is None:
+                raise ValueError(
+                    "compressed is set but compress=None: nothing is compressed; pass "
+                    "compress='fp8', or drop compressed"
+                )
+        self.compressed = compressed
+        self.costs = costs
+        self.budget_bytes = budget_bytes
+        self.compress = compress
+        self.min_tensor_bytes = min_tensor_bytes
+        self.measured = measured or {}
+        self._wrappers: list[Recompute] = []
+        self._offloader: Any = None
+        self._handle: Any = None
+        self._filter: CompressedLayers | None = None
+        #: per layer, what its selective recompute was seen to use (:class:`KeptKeys`), learnt
+        #: by :func:`plan`'s measuring steps and handed to the selective wrappers of
+        #: every plan made from them, so that their first step keeps no more than the
+        #: next ones; ``None`` for a plan made by hand (its first step learns)
+        self._learnt: list[KeptKeys] | None = None
+
+    @classmethod
+    def from_levers(
+        cls, layers: Sequence[torch.nn.Module], levers: Sequence[str], **kw: Any
+    ) -> Plan:
+        """A plan chosen by hand (same arguments as the constructor)."""
+        return cls(layers, levers, **kw)
+
+    # ---- predictions -----------------------------------------------------------------
+
+    @property
+    def predicted_seconds(self) -> float | None:
+        return None if self.costs is None else self.costs.seconds(self.levers, self.compressed)
+
+    @property
+    def predicted_bytes(self) -> float | None:
+        return None if self.costs is None else self.costs.memory(self.levers)
+
+    def replan(
+        self,
+        budget: int | float,
+        *,
+        step_fn: Callable[[], Any] | None = None,
+        model: torch.nn.Module | None = None,
+        steps: int = 3,
+    ) -> Plan:
+        """A new plan for another ``budget`` from the same measured costs (same layers,
+        levers allowed, ``compress`` and ``min_tensor_bytes``).
+
+        Args:
+            budget: bytes (``int``) or a fraction of the activation peak without levers
+                (``float`` in ``(0, 1]``).
+            step_fn: with ``model``, check the choice as :func:`plan` does: apply the
+                fastest predicted plans in turn until one's measured peak fits, then
+                measure the next few predicted almost as fast and the single-lever plans
+                predicted to fit, and keep the fastest measured that fits (never slower
+                than the best single lever). Default ``None``: the model's choice,
+                unchecked (no step runs).
+            model: the module whose forward runs the layers (with ``step_fn``).
+            steps: measured steps per plan checked (after one warm-up). Default ``3``.
+
+        Raises:
+            RuntimeError: the plan has no costs (made by hand).
+            ValueError: no plan meets the budget.
+        """
+        if self.costs is None:
+            raise RuntimeError("this plan was made by hand: it has no costs to plan with")
+        c = self.costs
+        limit = _budget_bytes(budget, c.memory(["keep"] * c.num_layers))
+        allowed = self.measured.get("levers", LEVERS)
+
+        def make(levers: list[str]) -> Plan:
+            made = Plan(
+                self.layers,
+                levers,
+                costs=c,
+                budget_bytes=limit,
+                compress=self.compress,
+                min_tensor_bytes=self.min_tensor_bytes,
+                measured=dict(self.measured),
+                compressed=compression(c, levers) if self.compress else None,
+            )
+            made._learnt = self._learnt
+            return made
+
+        _check_int("steps", steps, minimum=1)
+        levers, checks = verified(c, limit, allowed, make, step_fn, model, steps)
+        chosen = make(levers)
+        chosen.measured["checks"] = checks
+        return chosen
+
+    # ---- apply / remove --------------------------------------------------------------
+
+    @property
+    def offloader(self) -> Any:
+        """The :class:`~offload.ActivationOffloader` of the offloaded layers (made by
+        :meth:`apply`), or ``None`` when no layer is offloaded or before ``apply``."""
+        return self._offloader
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._wrappers) or self._offloader is not None
+
+    def apply(self, model: torch.nn.Module | None = None) -> Plan:
+        """Install the levers: recompute wrappers on their layers and, when layers are
+        offloaded, an :class:`~offload.ActivationOffloader` over them, entered around
+        every forward of ``model`` (:meth:`~offload.ActivationOffloader.attach`) or, with
+        ``model=None``, by ``with plan:`` around the forward.
+
+        Args:
+            model: the module whose forward runs the layers. Default ``None``.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the plan is applied already.
+        """
+        from offload.activations import ActivationOffloader
+
+        if self.applied:
+            raise RuntimeError("this plan is applied already; call remove() first")
+        try:
+            offloaded = [i for i, lever in enumerate(self.levers) if lever in OFFLOADED]
+            if offloaded:
+                if self.compress is not None and self.compressed is not None:
+                    chosen = [i for i, c in enumerate(self.compressed) if c]
+                    self._filter = CompressedLayers(self.layers, chosen)
+                self._offloader = ActivationOffloader(
+                    self.layers,
+                    offload_layers=offloaded,
+                    compress=self.compress,
+                    compress_filter=self._filter,
+                    min_tensor_bytes=self.min_tensor_bytes,
+                )
+            for i, (layer, lever) in enumerate(zip(self.layers, self.levers)):
+                if lever in RECOMPUTED:
+                    kept = self._learnt[i] if self._learnt is not None else None
+                    self._wrappers.append(Recompute(layer, lever, self._offloader, kept))
+            if self._offloader is not None and model is not None:
+                self._handle = self._offloader.attach(model)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Undo :meth:`apply`: the layers' forwards are what they were, the offloader
+        is closed (its host memory freed). Idempotent."""
+        for wrapper in reversed(self._wrappers):
+            wrapper.remove()
+        self._wrappers.clear()
+        if self._filter is not None:
+            self._filter.remove()
+            self._filter = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._offloader is not None:
+            self._offloader.close()
+            self._offloader = None
+
+    def __enter__(self) -> Plan:
+        if self._offloader is not None and self._handle is None:
+            self._offloader.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._offloader is not None and self._handle is None:
+            self._offloader.__exit__(*exc)
+
+    # ---- report ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description: levers, predictions, budget, costs, measurements."""
+        return {
+            "levers": list(self.levers),
+            "predicted_seconds": self.predicted_seconds,
+            "predicted_bytes": self.predicted_bytes,
+            "budget_bytes": self.budget_bytes,
+            "compress": self.compress,
+            "compressed": self.compressed,
+            "costs": None if self.costs is None else self.costs.to_dict(),
+            "measured": self.measured,
+            "errors": self.prediction_errors(),
+        }
+
+    def prediction_errors(self) -> list[dict[str, Any]]:
+        """How far the cost model was from what :func:`plan` measured, one row per
+        measured configuration: no lever (``"none"``) and each lever on every layer
+        (``"all offload"``, ...; the predictions are anchored on the first, and the
+        recompute levers' memory and time and, with ``compress``, the time of
+        offloading are fitted to the others: ``"fitted"`` lists what was, whose error
+        is about 0 by construction), then each plan the verification measured
+        (``"plan"``, ``"rival"``, ``"single <lever>"``). Each row: ``name``, ``levers``,
+        predicted and
+        measured seconds and bytes, and ``time_error``/``memory_error`` (predicted /
+        measured - 1). Empty for a plan made by hand."""
+        c = self.costs
+        if c is None:
+            return []
+        L = c.num_layers
+        every = {
+            "none": ["keep"] * L,
+            "offload": ["offload"] * (L - 1) + ["keep"],
+            "selective": ["selective"] * L,
+            "checkpoint": ["checkpoint"] * L,
+        }
+        fitted = {
+            "none": ["seconds", "bytes"],
+            "offload": ["seconds"] if self.compress is not None else [],
+            "selective": ["seconds", "bytes"],
+            "checkpoint": ["seconds", "bytes"],
+        }
+        rows = []
+        for name, got in self.measured.get("configs", {}).items():
+            levers = every.get(name)
+            if levers is None:
+                continue
+            rows.append(
+                _error_row(
+                    "none" if name == "none" else f"all {name}",
+                    levers,
+                    c,
+                    got["seconds"],
+                    got["peak_bytes"],
+                )
+                | {"fitted": fitted.get(name, [])}
+            )
+        for check in self.measured.get("checks", []):
+            name = check.get("single")
+            label = f"single {name}" if name else ("rival" if check["rival"] else "plan")
+            seconds = check.get("pooled_seconds", check["measured_seconds"])
+            row = _error_row(
+                label,
+                check["levers"],
+                c,
+                seconds,
+                check["measured_bytes"],
+                check.get("compressed"),
+            )
+            rows.append(row | {"fitted": []})
+        return rows
+
+    def table(self) -> Any:
+        """A :class:`rich.table.Table`: one row per layer (lever, bytes kept between
+        forward and backward, bytes sent each way, added backward ms) and a total row."""
+        from offload import _render
+
+        return _render.plan_table(self)
+
+    def summary(self) -> str:
+        """Predicted time and peak against the step without levers and the budget."""
+        from offload import _render
+
+        return _render.plan_summary(self)
+
+    def report(self, console: Any = None) -> None:
+        """Print the table, the measured configurations (when measured) and the summary
+        with rich (``console``: a :class:`rich.console.Console`; default a new one on
+        stdout)."""
+        from offload import _render
+
+        _render.render_plan(self, console)
+
+    def __repr__(self) -> str:
+        return f"Plan({summary(self.levers)})"
+
+
+def _error_row(
+    name: str,
+    levers: list[str],
+    c: PlanCosts,
+    seconds: float,
+    peak: float | None,
+    compressed: list[bool] | None = None,
+) -> dict[str, Any]:
+    t, m = c.seconds(levers, compressed), c.memory(levers)
+    return {
+        "name": name,
+        "levers": list(levers),
+        "predicted_seconds": t,
+        "measured_seconds": seconds,
+        "time_error": t / seconds - 1.0 if seconds else None,
+        "predicted_bytes": m,
+        "measured_bytes": peak,
+        "memory_error": m / peak - 1.0 if peak else None,
+    }
+
+
+def _budget_bytes(budget: Any, activation_bytes: float) -> float:
+    """``budget`` (bytes, or a fraction of ``activation_bytes``) in bytes; ``TypeError``
+    or ``ValueError`` naming ``budget``."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget must be bytes (an int) or a fraction of the activation peak without "
+            f"levers (a float in (0, 1]); got {type(budget).__name__} {budget!r}"
+        )
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"budget={budget}: a float is a fraction of the activation peak without "
+                f"levers and must be in (0, 1]; pass bytes as an int"
+            )
+        return budget * activation_bytes
+    if budget <= 0:
+        raise ValueError(f"budget={budget}: bytes must be > 0")
+    return float(budget)
+
+
+def _cuda_available() -> bool:
+    """Whether :func:`plan` can measure (a seam for the CPU tests of its logic)."""
+    return torch.cuda.is_available()
+
+
+def _check_arguments(
+    step_fn: Any, layers: Sequence[Any], budget: Any, model: Any, steps: Any, warmup: Any
+) -> None:
+    """The argument checks of :func:`plan`, before anything is measured."""
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable; got {type(step_fn).__name__}")
+    if len(layers) < 1:
+        raise ValueError("layers is empty")
+    _budget_bytes(budget, 1.0)  # its type and range
+    if model is None or not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            "model must be the nn.Module whose forward calls the layers (the planner "
+            "enters its measuring offloaders around that forward); got "
+            f"{type(model).__name__}"
+        )
+    _check_int("steps", steps, minimum=1)
+    _check_int("warmup", warmup, minimum=1)
+    try:
+        inspect.signature(step_fn).bind()
+    except TypeError:
+        raise TypeError("step_fn must be callable with no arguments") from None
+    except ValueError:  # no signature (some builtins): trust it
+        pass
+    if not _cuda_available():
+        raise RuntimeError(
+            "offload.plan measures device time and memory and needs a CUDA device; on a "
+            "machine without one, build a Plan by hand (offload.Plan(layers, levers))"
+        )
+
+
+def plan(
+    step_fn: Callable[[], Any],
+    layers: Sequence[torch.nn.Module],
+    *,
+    budget: int | float,
+    model: torch.nn.Module | None = None,
+    levers: Sequence[str] = DEFAULT_LEVERS,
+    compress: str | None = None,
+    min_tensor_bytes: int = 256 * 1024,
+    steps: int = 3,
+    warmup: int = 1,
+    verify: bool = True,
+) -> Plan:
+    """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
+    least predicted step time.
+
+    ``step_fn()`` runs one forward and backward of the model (no optimizer step, no
+    offload context: the planner installs what it measures). It runs ``warmup + steps``
+    times in each of these configurations, on the same model and state: nothing; an
+    offloader with ``offload_layers="auto"`` (two forwards: its measuring forward gives
+    each layer's forward and backward time and saved bytes, and the link bandwidth);
+    every layer but the last offloaded; every layer selective; every layer checkpointed
+    (levers not allowed are skipped). Gradients accumulate across these steps.
+
+    Args:
+        step_fn: ``callable()``: forward and backward.
+        layers: the repeated blocks, in call order, each called once per forward.
+        budget: the activation peak allowed: bytes (``int``) or a fraction of the
+            measured peak without levers (``float`` in ``(0, 1]``). "Activation peak":
+            the most memory allocated during a step above what was allocated before it.
+        model: the module whose forward runs ``layers`` (required: the measuring
+            offloaders are entered around its forward).
+        levers: the levers the plan may use. Default: :data:`DEFAULT_LEVERS` (every
+            lever of :data:`LEVERS`).
+        compress: ``None`` (default) or ``"fp8"``: offloaded layers may travel
+            compressed (lossy, see :class:`~offload.ActivationOffloader`); the plan
+            compresses only the layers where the model predicts it buys time
+            (:attr:`Plan.compressed`).
+        min_tensor_bytes: of the offloader. Default ``256 * 1024``.
+        steps: measured steps per configuration (>= 1). Default ``3``.
+        warmup: unmeasured steps before them (>= 1: the first step of a fresh model
+            allocates its gradients, which must not count as activations). Default ``1``.
+        verify: apply the fastest predicted plan, measure ``steps`` steps (after a
+            warm-up) and, when its peak exceeds the budget (the model errs by a few
+            percent), plan again with room for the error seen and try that plan, up to
+            ``VERIFY_CANDIDATES`` plans; then measure up to ``VERIFY_RIVALS`` plans
+            predicted within ``VERIFY_CLOSE`` of the one that fits, and every plan of a
+            single lever predicted to fit (nothing, offloading all that hides,
+            selective or full recompute of every layer, full recompute with offloaded
+            inputs); measure those that fit again in ``VERIFY_ROUNDS`` alternating
+            rounds and keep the fastest, never a plan slower than the best single lever
+            (constants of ``offload/_planner/verify.py``). Default ``True``.
+
+    The activation peak is measured above what is allocated before each step, gradients
+    included (they accumulate across the planner's steps). A loop that sets gradients
+    to ``None`` before every step (``zero_grad(set_to_none=True)``) allocates them during
+    the step, on top of the planned peak: leave room for them in the budget.
+
+    Returns:
+        A :class:`Plan`, not applied (call :meth:`Plan.apply`; :meth:`Plan.replan` gives
+        the plan of another budget from the same measurement).
+
+    Raises:
+        TypeError: a wrong type (``step_fn`` not callable, ``budget`` not a number).
+        ValueError: a bad value; no ``model``; a budget no plan meets (the message
+            gives the smallest that one does), or none of the plans tried measured
+            within it.
+        RuntimeError: no CUDA device (the planner measures device time and memory).
+
+    Example::
+
+        p = offload.plan(step, model.layers, budget=0.5, model=model)
+        p.report()
+        p.apply(model)      # then train as usual; p.remove() undoes it
+    """
+    allowed = check_levers(levers, "levers")
+    layers = list(layers)
+    _check_arguments(step_fn, layers, budget, model, steps, warmup)
+    assert model is not None  # checked above
+    m = measure_configs(step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup)
+    costs, fitted = fit_costs(m, compress)
+    measured = Plan(
+        layers,
+        ["keep"] * len(layers),
+        costs=costs,
+        compress=compress,
+        min_tensor_bytes=min_tensor_bytes,
+        measured={"configs": m.configs, "fitted": fitted, "levers": list(allowed)},
+    )
+    measured._learnt = m.learnt
+    return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)

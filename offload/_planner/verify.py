@@ -1,0 +1,277 @@
+"""The planner's check of its own choice: plans applied and measured on the user's step.
+
+The cost model errs by a few percent in memory and leaves out host work, so
+:func:`verified` applies the fastest predicted plans in turn until one's measured peak
+fits the budget, then measures the plans predicted almost as fast, and the single-lever
+plans that fit, and keeps the fastest measured. :func:`measure_step` is the one timed loop every planner measurement goes
+through.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from offload import _measure
+from offload._planner.costs import PlanCosts
+from offload._planner.levers import SHORT, summary
+from offload._planner.search import candidates, single_levers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from offload._planner.plan import Plan
+
+__all__ = [
+    "VERIFY_CANDIDATES",
+    "VERIFY_CLOSE",
+    "VERIFY_GAIN",
+    "VERIFY_RIVALS",
+    "VERIFY_ROUNDS",
+    "VERIFY_SINGLE",
+    "VERIFY_WARMUP",
+    "measure_step",
+    "verified",
+]
+
+#: Plans :func:`verified` applies and measures (at most), until one fits.
+VERIFY_CANDIDATES = 6
+
+#: Once a plan fits, :func:`verified` also measures up to this many of the next fastest
+#: predicted plans (its "rivals") ...
+VERIFY_RIVALS = 3
+
+#: ... those predicted at most this fraction slower than the plan that fits ...
+VERIFY_CLOSE = 0.03
+
+#: ... and when one of them fits too, the plans that fit are measured again in
+#: :data:`VERIFY_ROUNDS` more rounds, each round in the reverse order of the one before,
+#: and each plan's steps pooled: a plan measured once, right after another, differs from
+#: its measurement in alternation with the others by more than the gaps being judged
+#: (the device's speed drifts over a few steps, and a fresh offloader's first steps
+#: allocate) ...
+VERIFY_ROUNDS = 2
+
+#: ... and a rival replaces the model's choice only when its pooled median is at least
+#: this fraction faster (about the spread of one plan's pooled medians between runs).
+VERIFY_GAIN = 0.01
+
+#: Whether the verification measures the single-lever plans that fit
+#: (:func:`~offload._planner.search.single_levers`) and takes the fastest of them when
+#: it measures faster than the plan chosen: the guarantee that a plan is never slower
+#: than the obvious choice.
+VERIFY_SINGLE = True
+
+#: Unmeasured steps before each measured block of the verification: the allocator's
+#: cache is emptied before each block and a plan applied anew makes a new offloader,
+#: whose first steps allocate.
+VERIFY_WARMUP = 2
+
+
+def measure_step(step_fn: Callable[[], Any], steps: int, warmup: int) -> dict[str, Any]:
+    """Median step seconds (CUDA events), the largest activation peak (allocated during
+    the step above what was allocated before it: weights, gradients) and every measured
+    step's seconds (``"times"``), from a settled state (:func:`offload._measure.settle`:
+    every configuration is measured from the same state, so that their times compare)."""
+    got = _measure.timed_steps(step_fn, steps, warmup)
+    peak = got.activation
+    return {
+        "seconds": got.median,
+        "peak_bytes": float(peak) if peak is not None else None,
+        "times": list(got.seconds),
+    }
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def verified(
+    costs: PlanCosts,
+    limit: float,
+    allowed: Sequence[str],
+    make: Callable[[list[str]], Plan],
+    step_fn: Callable[[], Any] | None,
+    model: torch.nn.Module | None,
+    steps: int = 3,
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """The plan to use: the fastest *measured* of the plans that fit ``limit`` among
+    the model's fastest predictions, never slower than the best single lever that fits.
+
+    Fit first. The model's choice is applied and ``steps`` steps measured (after
+    :data:`VERIFY_WARMUP`). When its peak exceeds the budget, the model has
+    under-predicted that plan by ``measured - predicted``; the search runs again for a
+    budget lowered by half that error after the first miss and by the largest error
+    seen after later ones (plans that fit only within that room are passed over, not
+    tried one by one) and the fastest plan not yet tried is measured next, at most
+    :data:`VERIFY_CANDIDATES` in all; when no plan is predicted to fit with that room,
+    the next plan of the first ranking is tried.
+
+    Then speed. The model leaves out what it cannot see (the host's work for offloaded
+    tensors and selective layers, which costs device time at a step's start, when no
+    device work is queued), so plans it ranks within a few percent can measure in
+    another order. The next :data:`VERIFY_RIVALS` plans of the same ranking predicted
+    within :data:`VERIFY_CLOSE` of the one that fits are measured too.
+
+    Then the guarantee (:data:`VERIFY_SINGLE`). Every single-lever plan predicted to fit
+    (:func:`~offload._planner.search.single_levers`) is measured; the fastest that
+    fits when measured is the one to beat. When no plan of the first two parts fits,
+    it is the plan.
+
+    When more than one plan fits, every plan that fits is measured again in
+    :data:`VERIFY_ROUNDS` rounds of alternating order, its steps pooled: a rival must
+    be :data:`VERIFY_GAIN` faster than the model's choice to replace it, and the best
+    single lever replaces the plan whenever its pooled median is lower.
+
+    Without ``step_fn`` the model's choice is returned unchecked. Every measurement is
+    in the returned checks (``"rival": True`` for the second part; ``"single"``: the
+    name of the single lever for the third; ``"times"``: every measured step;
+    ``"pooled_seconds"``: the median of those, for the plans measured in rounds)."""
+    ranked = candidates(costs, limit, allowed)
+    if step_fn is None:
+        return ranked[0][1], []
+    run = _Verification(costs, limit, allowed, make, step_fn, model, steps)
+    return run.choose(ranked), run.checks
+
+
+class _Verification:
+    """The measured steps of one :func:`verified` call."""
+
+    def __init__(
+        self,
+        costs: PlanCosts,
+        limit: float,
+        allowed: Sequence[str],
+        make: Callable[[list[str]], Plan],
+        step_fn: Callable[[], Any],
+        model: torch.nn.Module | None,
+        steps: int,
+    ) -> None:
+        self.costs, self.limit, self.allowed = costs, limit, allowed
+        self.make, self.step_fn, self.model, self.steps = make, step_fn, model, steps
+        self.checks: list[dict[str, Any]] = []
+        self.tried: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def measure(self, levers: list[str]) -> dict[str, Any]:
+        applied = self.make(levers).apply(self.model)
+        try:
+            got = measure_step(self.step_fn, self.steps, VERIFY_WARMUP)
+        finally:
+            applied.remove()
+        return {**got, "compressed": applied.compressed}
+
+    def trial(self, predicted: float, levers: list[str], **kind: Any) -> dict[str, Any]:
+        got = self.measure(levers)
+        check = {
+            "levers": levers,
+            "predicted_seconds": predicted,
+            "predicted_bytes": self.costs.memory(levers),
+            "measured_seconds": got["seconds"],
+            "measured_bytes": got["peak_bytes"],
+            "fits": got["peak_bytes"] <= self.limit,
+            "rival": False,
+            "times": list(got["times"]),
+            **kind,
+        }
+        if got.get("compressed") is not None:
+            check["compressed"] = got["compressed"]
+        self.tried[tuple(levers)] = check
+        self.checks.append(check)
+        return check
+
+    def choose(self, first: list[tuple[float, list[str]]]) -> list[str]:
+        chosen, ranked, margin = self.fit(first)
+        fitting = [] if chosen is None else [chosen]
+        if chosen is not None:
+            close = chosen["predicted_seconds"] * (1.0 + VERIFY_CLOSE)
+            rivals = [(t, lv) for t, lv in ranked if tuple(lv) not in self.tried and t <= close]
+            for predicted, levers in rivals[:VERIFY_RIVALS]:
+                check = self.trial(predicted, levers, rival=True)
+                if check["fits"]:
+                    fitting.append(check)
+        single = self.best_single() if VERIFY_SINGLE else None
+        if chosen is None:
+            if single is None:
+                _raise_none_fits(self.checks, self.limit, margin)
+            return single["levers"]
+        if single is not None and all(c is not single for c in fitting):
+            fitting.append(single)
+        if len(fitting) > 1:
+            for r in range(VERIFY_ROUNDS):
+                for check in fitting[::-1] if r % 2 == 0 else fitting:
+                    check["times"] += self.measure(check["levers"])["times"]
+            for check in fitting:
+                check["pooled_seconds"] = _median(check["times"])
+            contenders = [c for c in fitting if c is not single or c is chosen]
+            best = min(contenders, key=lambda c: c["pooled_seconds"])
+            if best["pooled_seconds"] < chosen["pooled_seconds"] * (1.0 - VERIFY_GAIN):
+                chosen = best
+            if single is not None and single["pooled_seconds"] < chosen["pooled_seconds"]:
+                chosen = single
+        return chosen["levers"]
+
+    def fit(
+        self, first: list[tuple[float, list[str]]]
+    ) -> tuple[dict[str, Any] | None, list[tuple[float, list[str]]], float]:
+        """The first part of :func:`verified`: the check of the first plan that fits
+        (``None`` when none of those tried does), the ranking it came from, and the
+        largest error seen."""
+        ranked = first
+        margin = 0.0
+        misses = 0
+        while len(self.checks) < VERIFY_CANDIDATES:
+            if margin > 0:
+                # half the error seen after the first miss (one plan's error overstates
+                # the others': the next plans err less, in either direction), the whole
+                # of it after the next
+                room = margin / 2 if misses == 1 else margin
+                try:
+                    ranked = candidates(self.costs, self.limit - room, self.allowed)
+                except ValueError:
+                    # nothing is predicted to fit with that much room (the error was
+                    # that plan's, not every plan's): the next of the first ranking
+                    ranked = first
+            todo = [(t, levers) for t, levers in ranked if tuple(levers) not in self.tried]
+            if not todo:
+                break
+            check = self.trial(*todo[0])
+            if check["fits"]:
+                return check, ranked, margin
+            misses += 1
+            margin = max(margin, check["measured_bytes"] - check["predicted_bytes"])
+        return None, ranked, margin
+
+    def best_single(self) -> dict[str, Any] | None:
+        """The guarantee: every single-lever plan predicted to fit, measured (those not
+        measured yet); the fastest that fits when measured, or ``None``."""
+        fits = []
+        for name, levers in single_levers(self.costs, self.allowed):
+            if self.costs.memory(levers) > self.limit:
+                continue
+            check = self.tried.get(tuple(levers))
+            if check is None:
+                check = self.trial(self.costs.seconds(levers), levers, single=name)
+            else:
+                check["single"] = name
+            if check["fits"]:
+                fits.append(check)
+        return min(fits, key=lambda c: c["measured_seconds"]) if fits else None
+
+
+def _raise_none_fits(checks: list[dict[str, Any]], limit: float, margin: float) -> NoReturn:
+    if not checks:
+        raise ValueError(f"budget={limit / 2**30:.3f} GiB: no plan to measure")
+    worst = min(checks, key=lambda c: c["measured_bytes"])
+    tried_text = "; ".join(
+        f"({' '.join(SHORT[x] for x in c['levers'])}) predicted "
+        f"{c['predicted_bytes'] / 2**30:.3f}, measured {c['measured_bytes'] / 2**30:.3f} GiB"
+        for c in checks
+    )
+    raise ValueError(
+        f"budget={limit / 2**30:.3f} GiB: the {len(checks)} plans tried (the fastest "
+        f"predicted to fit, then the fastest predicted to fit with room for the model's "
+        f"error, {margin / 2**30:.3f} GiB) measured above it (lowest "
+        f"{worst['measured_bytes'] / 2**30:.3f} GiB, levers {summary(worst['levers'])}); "
+        f"raise the budget. Tried: {tried_text}"
+    )
