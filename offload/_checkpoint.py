@@ -609,16 +609,26 @@ class CheckpointOffloader:
         **kwargs: Any,
     ) -> Any:
         """:func:`offload.checkpoint` with this offloader's settings, pool and stats."""
+        if not callable(function):
+            raise TypeError(
+                f"function must be callable (a module or a function, as for "
+                f"torch.utils.checkpoint.checkpoint); got {type(function).__name__} "
+                f"{function!r:.80}"
+            )
         _check_use_reentrant(use_reentrant)
         torch_kwargs = {k: kwargs.pop(k) for k in _TORCH_KWARGS if k in kwargs}
-        if (
-            not torch.is_grad_enabled()
-            or in_backward()
-            or torch.compiler.is_compiling()
-            or opted_out()
-        ):
+        if torch.compiler.is_compiling():
+            # Traced by dynamo (the call is inside a compiled module): torch's own
+            # checkpoint, which dynamo compiles with the function. Asked first: dynamo
+            # cannot trace in_backward() (a graph break).
+            if not _traced_warned and torch.is_grad_enabled():
+                _warn_traced()  # once: dynamo guards on the flag, later traces skip this
+            return _torch_ckpt.checkpoint(
+                function, *args, use_reentrant=False, **torch_kwargs, **kwargs
+            )
+        if not torch.is_grad_enabled() or in_backward() or opted_out():
             # No backward to recompute for / a checkpoint nested in a recomputation /
-            # traced by dynamo / opted out: torch's own checkpoint, unchanged.
+            # opted out: torch's own checkpoint, unchanged.
             return _torch_ckpt.checkpoint(
                 function, *args, use_reentrant=False, **torch_kwargs, **kwargs
             )
@@ -805,6 +815,28 @@ def _backward_started(ref: weakref.ref[_Record], depth: int, _grad: Any) -> None
                 target._reload()
                 rt.stats.reloads_prefetched += 1
             prev = target.prev
+
+
+_traced_warned = False
+
+
+def _warn_traced_impl() -> None:
+    global _traced_warned
+    _traced_warned = True
+    warn_at_caller(
+        "offload.checkpoint was called inside code that torch.compile traces (e.g. a "
+        "layer compiled with layer.compile() whose forward checkpoints itself, as Hugging "
+        "Face's GradientCheckpointingLayer does): there it runs torch's own checkpoint, "
+        "compiled with the layer, and its inputs stay on the device. To keep them in "
+        "host memory, call offload.checkpoint outside the compiled code, on the compiled "
+        "module: offload.checkpoint(compiled_layer, x)."
+    )
+
+
+def _warn_traced() -> None:
+    from offload._dynamo import eager
+
+    eager(_warn_traced_impl)()
 
 
 # --------------------------------------------------------------------------------------

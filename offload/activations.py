@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from offload import _device, _packing
+from offload import _device, _dynamo, _packing
 from offload._handles import unpack_hook
 from offload._plan import Plan, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
@@ -215,9 +215,18 @@ class ActivationOffloader:
         layers = list(layers)
         if not layers:
             raise ValueError("layers is empty; pass the model's repeated blocks, in order")
+        #: each module's position in ``layers``
+        self._position: dict[int, int] = {}
         for i, layer in enumerate(layers):
             if not isinstance(layer, torch.nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
+            first = self._position.setdefault(id(layer), i)
+            if first != i:
+                raise ValueError(
+                    f"layers[{i}] is the same {type(layer).__name__} as layers[{first}]; "
+                    f"list each module once (a module the forward calls several times "
+                    f"makes one group per call)"
+                )
         check_selection(config.offload_layers, len(layers))
         if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
             warn_at_caller(
@@ -245,6 +254,10 @@ class ActivationOffloader:
         self._calls: list[Any] = list(layers)  # the modules called by the last forward
         self._groups_this_entry = 0
         self._warned: set[str] = set()
+        #: positions in ``layers`` called by the forward in progress, and the first one
+        #: not called yet (_check_order)
+        self._order_called: set[int] = set()
+        self._order_next = 0
         self._closed = False
         # profile_step's baseline: while set, `with offloader:` does nothing at all
         # (no hooks), and only counts its entries.
@@ -381,7 +394,9 @@ class ActivationOffloader:
 
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
-        if step is None:
+        if step is None or getattr(_active, "owner", None) is not self:
+            # outside a forward, or a call made on another thread (a second offloader
+            # over the same modules, data-parallel replicas): not ours
             return
         groups = step.groups
         if step.open is None and len(groups) >= len(self._layers) and module is groups[0].module:
@@ -392,6 +407,8 @@ class ActivationOffloader:
             step = self._new_step()
         if self._auto is not None and not step.groups:
             self._auto.prepare(self, step, (args, kwargs))
+        if step.open is None and "order" not in self._warned:
+            self._check_order(step, module)
         step.open_group(module, (args, kwargs))
         group = step.open
         if (
@@ -422,11 +439,71 @@ class ActivationOffloader:
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
-        if step is not None:
+        if step is not None and getattr(_active, "owner", None) is self:
+            group = step.open if step.depth == 0 else None
             if self._aside and step.depth == 0:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
+            if group is not None and group.offload and not step.probe:
+                stats = group.stats
+                if not stats.bytes_offloaded and not any(stats.bytes_kept.values()):
+                    self._check_saved_elsewhere(group.index, module, output)
+
+    def _check_order(self, step: Step, module: torch.nn.Module) -> None:
+        """Warn once when a layer call skips over a listed layer that this forward has
+        not called yet: the list is out of order (or a layer was skipped). Calling a
+        module again (shared layers) is not out of order."""
+        if not step.groups:
+            self._order_called.clear()
+            self._order_next = 0
+        position = self._position[id(module)]
+        if position > self._order_next:
+            expected = self._layers[self._order_next]
+            self._warn_once(
+                "order",
+                f"offload: the forward's layer calls do not follow the order of `layers`: "
+                f"call {len(step.groups)} ran layers[{position}] "
+                f"({type(module).__name__}) before layers[{self._order_next}] "
+                f"({type(expected).__name__}) was called (listed out of order, or "
+                f"skipped). offload_layers, prefetching and stats count layer calls in "
+                f"the order they run; list the layers in the order the forward calls them.",
+            )
+        called = self._order_called
+        called.add(position)
+        while self._order_next in called:
+            self._order_next += 1
+
+    def _check_saved_elsewhere(self, index: int, module: torch.nn.Module, output: Any) -> None:
+        """A layer call selected for offloading saved nothing through our hooks. If its
+        outputs need gradients, it did save tensors, for another pair of saved-tensor
+        hooks: one pushed inside the layer (or around it) takes every tensor saved while
+        it is active, since saved-tensor hooks do not nest. Warn once, naming it."""
+        if "saved_elsewhere" in self._warned or not torch.is_grad_enabled():
+            return
+        outputs = _packing.tensors_requiring_grad(output, [])
+        if not outputs:
+            return
+        hook = _foreign_unpack_hook(outputs)
+        if hook is None:  # nothing saved by other hooks: the layer saved no tensor
+            return
+        name = "not identified"
+        if hook is not ...:
+            # save_on_cpu.__init__.<locals>.unpack_from_cpu -> save_on_cpu
+            where = str(getattr(hook, "__qualname__", hook)).split(".<locals>")[0]
+            where = where.removesuffix(".__init__")
+            name = f"{getattr(hook, '__module__', '?')}.{where}"
+        self._warn_once(
+            "saved_elsewhere",
+            f"offload: layer call {index} ({type(module).__name__}) was selected for "
+            f"offloading, but none of the tensors it saved for backward reached the "
+            f"offloader: saved-tensor hooks pushed inside the layer (torch.autograd.graph."
+            f"save_on_cpu, torch.utils.checkpoint or offload.checkpoint, another library's "
+            f"saved_tensors_hooks; here: {name}) take every tensor saved while they are "
+            f"active, since saved-tensor hooks do not nest. Remove that hook from the "
+            f"layer, or leave the layer out of offload_layers (a checkpointed layer: "
+            f"offload.checkpoint already keeps its inputs in host memory).",
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -445,7 +522,12 @@ class ActivationOffloader:
         actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
         pool = actionable or {r: n for r, n in kept.items() if n}
         reason = max(pool, key=pool.__getitem__) if pool else None
-        if reason is None:
+        if reason is None and "saved_elsewhere" in self._warned:
+            why = (
+                "the tensors they saved went to other saved-tensor hooks pushed inside "
+                "the layers (see the warning about them)"
+            )
+        elif reason is None:
             why = "the selected layers saved no tensor for backward (is grad enabled?)"
         else:
             why = f"everything they saved was kept on the device, mostly '{reason}'"
@@ -999,6 +1081,36 @@ def _prune(steps: list[Step]) -> list[Step]:
     return waiting
 
 
+def _foreign_unpack_hook(outputs: list[torch.Tensor], limit: int = 256) -> Any:
+    """The unpack hook of another pair of saved-tensor hooks that saved a tensor of the
+    graph behind ``outputs`` (its first ``limit`` nodes); ``...`` when a tensor is saved
+    there but this torch cannot tell by which hooks (``SavedTensor.unpack_hook`` is
+    recent); None when neither."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    unknown = False
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_raw_saved_"):
+                continue
+            saved = getattr(node, attr, None)
+            for one in saved if isinstance(saved, (list, tuple)) else (saved,):
+                if not isinstance(one, torch._C._autograd.SavedTensor):
+                    continue
+                if not hasattr(one, "unpack_hook"):
+                    unknown = True
+                    continue
+                hook = one.unpack_hook
+                if hook is not None and hook is not unpack_hook:
+                    return hook
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return ... if unknown else None
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -1397,14 +1509,20 @@ class _ModuleHook:
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "traced")
 
     def __init__(self, fn: Callable[..., None] | None) -> None:
         self.fn = fn
+        #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
+        #: the module's hooks with its forward): ``fn``, run eagerly, outside the graph
+        self.traced = None if fn is None else _dynamo.eager(fn)
 
     def __call__(self, *args: Any) -> None:
         if self.fn is not None:
-            self.fn(*args)
+            if torch.compiler.is_compiling():
+                self.traced(*args)  # type: ignore[misc]
+            else:
+                self.fn(*args)  # without the eager wrapper's cost (about a microsecond)
 
     def __deepcopy__(self, memo: Any) -> _ModuleHook:
         return _ModuleHook(None)

@@ -1,0 +1,31 @@
+"""Where our code meets ``torch.compile``: entry points that dynamo must not trace.
+
+A layer compiled on its own (``layer.compile()``, which compiles ``nn.Module._call_impl``
+with the module's hooks, or ``torch.compile(layer)``) calls the offloader's module hooks
+from inside the compiled frame. Traced, they would run on fake tensors (data pointers,
+storage offsets and byte counts do not exist there) and bake the offloader's Python state
+into the graph. :func:`eager` makes such an entry point an opaque boundary: dynamo stops
+its graph at the call (a graph break), runs the function as ordinary Python, and
+compiles what follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["eager"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """``fn`` run eagerly, never traced by dynamo (``torch.compiler.disable``); calls it
+    makes are not compiled either.
+
+    Importing dynamo costs about as much as importing torch, so wrap at the time the
+    function is handed to torch (a hook registered, an offloader made), not at import.
+    """
+    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
