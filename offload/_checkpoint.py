@@ -881,8 +881,10 @@ def checkpoint(
     itself (closures, ``functools.partial`` arguments: Hugging Face binds the keyword
     arguments of its layers, e.g. position embeddings and the attention mask, that way).
     Calls without gradients (``torch.no_grad()``), calls made inside a backward (a
-    checkpoint nested in a recomputation) and calls traced by ``torch.compile`` run
-    torch's own checkpoint.
+    checkpoint nested in a recomputation) and calls traced by ``torch.compile`` (made
+    inside compiled code, e.g. a layer compiled with ``layer.compile()`` that
+    checkpoints its own body; one warning) run torch's own checkpoint. Called on a
+    compiled layer from outside it, the inputs are offloaded as usual.
 
     Settings and stats belong to a process-wide :class:`CheckpointOffloader` with its
     defaults; make your own and call its ``checkpoint`` method to change them. Bytes
@@ -918,7 +920,8 @@ def checkpoint(
         ValueError: ``use_reentrant=True`` (use ``torch.utils.checkpoint.checkpoint``
             for the reentrant variant), or an invalid ``determinism_check`` (from
             torch).
-        TypeError: ``use_reentrant`` is not a bool or ``None``.
+        TypeError: ``function`` is not callable, or ``use_reentrant`` is not a bool or
+            ``None``.
         RuntimeError: in backward, when the forward of this call raised, or when an input
             was modified in place during the call.
 

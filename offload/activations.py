@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from offload import _device, _dynamo, _packing
+from offload._diagnose import CallOrder, saved_elsewhere
 from offload._handles import unpack_hook
 from offload._plan import Plan, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
@@ -128,10 +129,17 @@ class ActivationOffloader:
         TypeError: ``layers`` is not a sequence of ``nn.Module``; a keyword has the
             wrong type; a callable ``offload_layers`` does not take ``(index,
             module)``; both ``config`` and keywords are given.
-        ValueError: ``layers`` is empty; ``offload_layers`` is out of range for
-            ``len(layers)`` or an unknown string; a numeric keyword is out of range.
+        ValueError: ``layers`` is empty or lists a module twice; ``offload_layers``
+            is out of range for ``len(layers)`` or an unknown string; a numeric keyword
+            is out of range.
         RuntimeError: (on entering) this or another offload context is already
             active on the thread.
+
+    Threads and ``torch.compile``: the layer hooks act only for the thread that
+    entered this offloader (another thread, with its own offloader over the same
+    modules, is left alone); they run eagerly under ``torch.compile`` (a layer
+    compiled with ``layer.compile()`` gets a graph break before and after its body:
+    docs/compile.md).
 
     CUDA graphs: a step captured whole (``torch.cuda.graph``) offloads when the
     offloader is entered inside the capture; replays then run its copies with no Python.
@@ -215,18 +223,10 @@ class ActivationOffloader:
         layers = list(layers)
         if not layers:
             raise ValueError("layers is empty; pass the model's repeated blocks, in order")
-        #: each module's position in ``layers``
-        self._position: dict[int, int] = {}
         for i, layer in enumerate(layers):
             if not isinstance(layer, torch.nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
-            first = self._position.setdefault(id(layer), i)
-            if first != i:
-                raise ValueError(
-                    f"layers[{i}] is the same {type(layer).__name__} as layers[{first}]; "
-                    f"list each module once (a module the forward calls several times "
-                    f"makes one group per call)"
-                )
+        self._order = CallOrder(layers)  # raises for a module listed twice
         check_selection(config.offload_layers, len(layers))
         if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
             warn_at_caller(
@@ -254,10 +254,7 @@ class ActivationOffloader:
         self._calls: list[Any] = list(layers)  # the modules called by the last forward
         self._groups_this_entry = 0
         self._warned: set[str] = set()
-        #: positions in ``layers`` called by the forward in progress, and the first one
-        #: not called yet (_check_order)
-        self._order_called: set[int] = set()
-        self._order_next = 0
+        self._saved_elsewhere = False  # a layer's saves went to other saved-tensor hooks
         self._closed = False
         # profile_step's baseline: while set, `with offloader:` does nothing at all
         # (no hooks), and only counts its entries.
@@ -408,7 +405,9 @@ class ActivationOffloader:
         if self._auto is not None and not step.groups:
             self._auto.prepare(self, step, (args, kwargs))
         if step.open is None and "order" not in self._warned:
-            self._check_order(step, module)
+            message = self._order.check(len(step.groups), module)
+            if message is not None:
+                self._warn_once("order", message)
         step.open_group(module, (args, kwargs))
         group = step.open
         if (
@@ -445,65 +444,23 @@ class ActivationOffloader:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
-            if group is not None and group.offload and not step.probe:
-                stats = group.stats
-                if not stats.bytes_offloaded and not any(stats.bytes_kept.values()):
-                    self._check_saved_elsewhere(group.index, module, output)
-
-    def _check_order(self, step: Step, module: torch.nn.Module) -> None:
-        """Warn once when a layer call skips over a listed layer that this forward has
-        not called yet: the list is out of order (or a layer was skipped). Calling a
-        module again (shared layers) is not out of order."""
-        if not step.groups:
-            self._order_called.clear()
-            self._order_next = 0
-        position = self._position[id(module)]
-        if position > self._order_next:
-            expected = self._layers[self._order_next]
-            self._warn_once(
-                "order",
-                f"offload: the forward's layer calls do not follow the order of `layers`: "
-                f"call {len(step.groups)} ran layers[{position}] "
-                f"({type(module).__name__}) before layers[{self._order_next}] "
-                f"({type(expected).__name__}) was called (listed out of order, or "
-                f"skipped). offload_layers, prefetching and stats count layer calls in "
-                f"the order they run; list the layers in the order the forward calls them.",
-            )
-        called = self._order_called
-        called.add(position)
-        while self._order_next in called:
-            self._order_next += 1
-
-    def _check_saved_elsewhere(self, index: int, module: torch.nn.Module, output: Any) -> None:
-        """A layer call selected for offloading saved nothing through our hooks. If its
-        outputs need gradients, it did save tensors, for another pair of saved-tensor
-        hooks: one pushed inside the layer (or around it) takes every tensor saved while
-        it is active, since saved-tensor hooks do not nest. Warn once, naming it."""
-        if "saved_elsewhere" in self._warned or not torch.is_grad_enabled():
-            return
-        outputs = _packing.tensors_requiring_grad(output, [])
-        if not outputs:
-            return
-        hook = _foreign_unpack_hook(outputs)
-        if hook is None:  # nothing saved by other hooks: the layer saved no tensor
-            return
-        name = "not identified"
-        if hook is not ...:
-            # save_on_cpu.__init__.<locals>.unpack_from_cpu -> save_on_cpu
-            where = str(getattr(hook, "__qualname__", hook)).split(".<locals>")[0]
-            where = where.removesuffix(".__init__")
-            name = f"{getattr(hook, '__module__', '?')}.{where}"
-        self._warn_once(
-            "saved_elsewhere",
-            f"offload: layer call {index} ({type(module).__name__}) was selected for "
-            f"offloading, but none of the tensors it saved for backward reached the "
-            f"offloader: saved-tensor hooks pushed inside the layer (torch.autograd.graph."
-            f"save_on_cpu, torch.utils.checkpoint or offload.checkpoint, another library's "
-            f"saved_tensors_hooks; here: {name}) take every tensor saved while they are "
-            f"active, since saved-tensor hooks do not nest. Remove that hook from the "
-            f"layer, or leave the layer out of offload_layers (a checkpointed layer: "
-            f"offload.checkpoint already keeps its inputs in host memory).",
-        )
+            if (
+                group is not None
+                and group.offload
+                and not step.probe
+                and "saved_elsewhere" not in self._warned
+            ):
+                stats = group.stats  # nothing saved through our hooks: whose were they?
+                if (
+                    not stats.bytes_offloaded
+                    and not any(stats.bytes_kept.values())
+                    and torch.is_grad_enabled()
+                ):
+                    self._warned.add("saved_elsewhere")  # one look: it walks the graph
+                    message = saved_elsewhere(group.index, module, output)
+                    if message is not None:
+                        self._saved_elsewhere = True
+                        warn_at_caller(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -522,7 +479,7 @@ class ActivationOffloader:
         actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
         pool = actionable or {r: n for r, n in kept.items() if n}
         reason = max(pool, key=pool.__getitem__) if pool else None
-        if reason is None and "saved_elsewhere" in self._warned:
+        if reason is None and self._saved_elsewhere:
             why = (
                 "the tensors they saved went to other saved-tensor hooks pushed inside "
                 "the layers (see the warning about them)"
@@ -1079,36 +1036,6 @@ def _prune(steps: list[Step]) -> list[Step]:
         else:
             waiting.append(step)
     return waiting
-
-
-def _foreign_unpack_hook(outputs: list[torch.Tensor], limit: int = 256) -> Any:
-    """The unpack hook of another pair of saved-tensor hooks that saved a tensor of the
-    graph behind ``outputs`` (its first ``limit`` nodes); ``...`` when a tensor is saved
-    there but this torch cannot tell by which hooks (``SavedTensor.unpack_hook`` is
-    recent); None when neither."""
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    unknown = False
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for attr in dir(node):
-            if not attr.startswith("_raw_saved_"):
-                continue
-            saved = getattr(node, attr, None)
-            for one in saved if isinstance(saved, (list, tuple)) else (saved,):
-                if not isinstance(one, torch._C._autograd.SavedTensor):
-                    continue
-                if not hasattr(one, "unpack_hook"):
-                    unknown = True
-                    continue
-                hook = one.unpack_hook
-                if hook is not None and hook is not unpack_hook:
-                    return hook
-        todo.extend(n for n, _ in node.next_functions if n is not None)
-    return ... if unknown else None
 
 
 def _identity(x: Any) -> Any:
