@@ -242,7 +242,7 @@ class _HostCopy:
         return self.end - self.start
 
     def __del__(self) -> None:
-        block, self.block = self.block, None
+        block, self.block = getattr(self, "block", None), None  # None: never initialised
         if block is not None:
             self.rt.free(block)
 
@@ -387,7 +387,7 @@ class _Record:
         self.copies = []  # the blocks go back to the pool with the last reference
 
     def __del__(self) -> None:
-        buffers = self.buffers
+        buffers = getattr(self, "buffers", None)  # None also when never initialised
         if buffers is not None and not self.waited and self.backend is not None:
             # 4.1(e): the block returns to the allocator only after the H2D writing it
             self.backend.wait(self.stream, self.reload_event)

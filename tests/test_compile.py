@@ -26,6 +26,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import offload
+from offload._checkpoint import _HostCopy, _Record
 from offload._handles import Gathered, Offloaded
 from tests import models
 from tests.models import assert_same
@@ -207,7 +208,7 @@ def test_a_handle_whose_constructor_never_ran_dies_quietly(monkeypatch) -> None:
     such objects) must not raise in ``__del__``."""
     raised: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", raised.append)
-    for cls in (Offloaded, Gathered):
+    for cls in (Offloaded, Gathered, _HostCopy, _Record):
         obj = cls.__new__(cls)
         del obj
         gc.collect()
