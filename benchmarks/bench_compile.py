@@ -176,11 +176,20 @@ def main() -> None:
     args = p.parse_args()
     if args.device == "cuda":
         torch.use_deterministic_algorithms(True)
-    rows = [measure(form, mode, args) for form in FORMS for mode in MODES]
+    rows = []
+    for form in FORMS:
+        for mode in MODES:
+            try:
+                rows.append(measure(form, mode, args))
+            except Exception as e:  # recorded, and the other rows still run
+                rows.append({"form": FORMS[form], "mode": mode, "error": repr(e)[:2000]})
     header = f"{'form':30s} {'mode':18s} breaks  after  graphs/call  frames  bitwise  offloaded"
     print(f"backend {args.backend}, device {args.device}, torch {torch.__version__}")
     print(header)
     for r in rows:
+        if "error" in r:
+            print(f"{r['form']:30s} {r['mode']:18s} FAILED {r['error'][:200]}")
+            continue
         print(
             f"{r['form']:30s} {r['mode']:18s} {r['breaks']:6d} {r['breaks_after_warmup']:6d} "
             f"{r['graphs_per_layer_call']:12.1f} {r['frames']:7d}  {str(r['bitwise']):7s} "
