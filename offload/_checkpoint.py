@@ -242,7 +242,7 @@ class _HostCopy:
         return self.end - self.start
 
     def __del__(self) -> None:
-        block, self.block = self.block, None
+        block, self.block = getattr(self, "block", None), None  # None: never initialised
         if block is not None:
             self.rt.free(block)
 
@@ -387,7 +387,7 @@ class _Record:
         self.copies = []  # the blocks go back to the pool with the last reference
 
     def __del__(self) -> None:
-        buffers = self.buffers
+        buffers = getattr(self, "buffers", None)  # None also when never initialised
         if buffers is not None and not self.waited and self.backend is not None:
             # 4.1(e): the block returns to the allocator only after the H2D writing it
             self.backend.wait(self.stream, self.reload_event)
@@ -609,16 +609,26 @@ class CheckpointOffloader:
         **kwargs: Any,
     ) -> Any:
         """:func:`offload.checkpoint` with this offloader's settings, pool and stats."""
+        if not callable(function):
+            raise TypeError(
+                f"function must be callable (a module or a function, as for "
+                f"torch.utils.checkpoint.checkpoint); got {type(function).__name__} "
+                f"{function!r:.80}"
+            )
         _check_use_reentrant(use_reentrant)
         torch_kwargs = {k: kwargs.pop(k) for k in _TORCH_KWARGS if k in kwargs}
-        if (
-            not torch.is_grad_enabled()
-            or in_backward()
-            or torch.compiler.is_compiling()
-            or opted_out()
-        ):
+        if torch.compiler.is_compiling():
+            # Traced by dynamo (the call is inside a compiled module): torch's own
+            # checkpoint, which dynamo compiles with the function. Asked first: dynamo
+            # cannot trace in_backward() (a graph break).
+            if not _traced_warned and torch.is_grad_enabled():
+                _warn_traced()  # once: dynamo guards on the flag, later traces skip this
+            return _torch_ckpt.checkpoint(
+                function, *args, use_reentrant=False, **torch_kwargs, **kwargs
+            )
+        if not torch.is_grad_enabled() or in_backward() or opted_out():
             # No backward to recompute for / a checkpoint nested in a recomputation /
-            # traced by dynamo / opted out: torch's own checkpoint, unchanged.
+            # opted out: torch's own checkpoint, unchanged.
             return _torch_ckpt.checkpoint(
                 function, *args, use_reentrant=False, **torch_kwargs, **kwargs
             )
@@ -807,6 +817,28 @@ def _backward_started(ref: weakref.ref[_Record], depth: int, _grad: Any) -> None
             prev = target.prev
 
 
+_traced_warned = False
+
+
+def _warn_traced_impl() -> None:
+    global _traced_warned
+    _traced_warned = True
+    warn_at_caller(
+        "offload.checkpoint was called inside code that torch.compile traces (e.g. a "
+        "layer compiled with layer.compile() whose forward checkpoints itself, as Hugging "
+        "Face's GradientCheckpointingLayer does): there it runs torch's own checkpoint, "
+        "compiled with the layer, and its inputs stay on the device. To keep them in "
+        "host memory, call offload.checkpoint outside the compiled code, on the compiled "
+        "module: offload.checkpoint(compiled_layer, x)."
+    )
+
+
+def _warn_traced() -> None:
+    from offload._dynamo import eager
+
+    eager(_warn_traced_impl)()
+
+
 # --------------------------------------------------------------------------------------
 # the process-wide default
 
@@ -849,8 +881,10 @@ def checkpoint(
     itself (closures, ``functools.partial`` arguments: Hugging Face binds the keyword
     arguments of its layers, e.g. position embeddings and the attention mask, that way).
     Calls without gradients (``torch.no_grad()``), calls made inside a backward (a
-    checkpoint nested in a recomputation) and calls traced by ``torch.compile`` run
-    torch's own checkpoint.
+    checkpoint nested in a recomputation) and calls traced by ``torch.compile`` (made
+    inside compiled code, e.g. a layer compiled with ``layer.compile()`` that
+    checkpoints its own body; one warning) run torch's own checkpoint. Called on a
+    compiled layer from outside it, the inputs are offloaded as usual.
 
     Settings and stats belong to a process-wide :class:`CheckpointOffloader` with its
     defaults; make your own and call its ``checkpoint`` method to change them. Bytes
@@ -886,7 +920,8 @@ def checkpoint(
         ValueError: ``use_reentrant=True`` (use ``torch.utils.checkpoint.checkpoint``
             for the reentrant variant), or an invalid ``determinism_check`` (from
             torch).
-        TypeError: ``use_reentrant`` is not a bool or ``None``.
+        TypeError: ``function`` is not callable, or ``use_reentrant`` is not a bool or
+            ``None``.
         RuntimeError: in backward, when the forward of this call raised, or when an input
             was modified in place during the call.
 

@@ -110,7 +110,11 @@ class Offloaded:
         return _packing.rebuild_view(buffer, self.dtype, self.size, self.stride, self.offset)
 
     def __del__(self) -> None:
-        self.step.handle_died(self.copy, self.group)
+        try:
+            step = self.step
+        except AttributeError:  # never initialised: its constructor did not run or raised
+            return
+        step.handle_died(self.copy, self.group)
 
 
 class Gathered(Offloaded):

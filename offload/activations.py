@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from offload import _device, _packing
+from offload import _device, _dynamo, _packing
+from offload._diagnose import CallOrder, saved_elsewhere
 from offload._handles import unpack_hook
 from offload._plan import Schedule, check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
@@ -128,10 +129,17 @@ class ActivationOffloader:
         TypeError: ``layers`` is not a sequence of ``nn.Module``; a keyword has the
             wrong type; a callable ``offload_layers`` does not take ``(index,
             module)``; both ``config`` and keywords are given.
-        ValueError: ``layers`` is empty; ``offload_layers`` is out of range for
-            ``len(layers)`` or an unknown string; a numeric keyword is out of range.
+        ValueError: ``layers`` is empty or lists a module twice; ``offload_layers``
+            is out of range for ``len(layers)`` or an unknown string; a numeric keyword
+            is out of range.
         RuntimeError: (on entering) this or another offload context is already
             active on the thread.
+
+    Threads and ``torch.compile``: the layer hooks act only for the thread that
+    entered this offloader (another thread, with its own offloader over the same
+    modules, is left alone); they run eagerly under ``torch.compile`` (a layer
+    compiled with ``layer.compile()`` gets a graph break before and after its body:
+    docs/compile.md).
 
     CUDA graphs: a step captured whole (``torch.cuda.graph``) offloads when the
     offloader is entered inside the capture; replays then run its copies with no Python.
@@ -218,6 +226,7 @@ class ActivationOffloader:
         for i, layer in enumerate(layers):
             if not isinstance(layer, torch.nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
+        self._order = CallOrder(layers)  # raises for a module listed twice
         check_selection(config.offload_layers, len(layers))
         if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
             warn_at_caller(
@@ -245,6 +254,7 @@ class ActivationOffloader:
         self._calls: list[Any] = list(layers)  # the modules called by the last forward
         self._groups_this_entry = 0
         self._warned: set[str] = set()
+        self._saved_elsewhere = False  # a layer's saves went to other saved-tensor hooks
         self._closed = False
         # profile_step's baseline: while set, `with offloader:` does nothing at all
         # (no hooks), and only counts its entries.
@@ -381,7 +391,9 @@ class ActivationOffloader:
 
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
-        if step is None:
+        if step is None or getattr(_active, "owner", None) is not self:
+            # outside a forward, or a call made on another thread (a second offloader
+            # over the same modules, data-parallel replicas): not ours
             return
         groups = step.groups
         if step.open is None and len(groups) >= len(self._layers) and module is groups[0].module:
@@ -392,6 +404,10 @@ class ActivationOffloader:
             step = self._new_step()
         if self._auto is not None and not step.groups:
             self._auto.prepare(self, step, (args, kwargs))
+        if step.open is None and "order" not in self._warned:
+            message = self._order.check(len(step.groups), module)
+            if message is not None:
+                self._warn_once("order", message)
         step.open_group(module, (args, kwargs))
         group = step.open
         if (
@@ -422,11 +438,29 @@ class ActivationOffloader:
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
-        if step is not None:
+        if step is not None and getattr(_active, "owner", None) is self:
+            group = step.open if step.depth == 0 else None
             if self._aside and step.depth == 0:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
+            if (
+                group is not None
+                and group.offload
+                and not step.probe
+                and "saved_elsewhere" not in self._warned
+            ):
+                stats = group.stats  # nothing saved through our hooks: whose were they?
+                if (
+                    not stats.bytes_offloaded
+                    and not any(stats.bytes_kept.values())
+                    and torch.is_grad_enabled()
+                ):
+                    self._warned.add("saved_elsewhere")  # one look: it walks the graph
+                    message = saved_elsewhere(group.index, module, output)
+                    if message is not None:
+                        self._saved_elsewhere = True
+                        warn_at_caller(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -445,7 +479,12 @@ class ActivationOffloader:
         actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
         pool = actionable or {r: n for r, n in kept.items() if n}
         reason = max(pool, key=pool.__getitem__) if pool else None
-        if reason is None:
+        if reason is None and self._saved_elsewhere:
+            why = (
+                "the tensors they saved went to other saved-tensor hooks pushed inside "
+                "the layers (see the warning about them)"
+            )
+        elif reason is None:
             why = "the selected layers saved no tensor for backward (is grad enabled?)"
         else:
             why = f"everything they saved was kept on the device, mostly '{reason}'"
@@ -1397,14 +1436,20 @@ class _ModuleHook:
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "traced")
 
     def __init__(self, fn: Callable[..., None] | None) -> None:
         self.fn = fn
+        #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
+        #: the module's hooks with its forward): ``fn``, run eagerly, outside the graph
+        self.traced = None if fn is None else _dynamo.eager(fn)
 
     def __call__(self, *args: Any) -> None:
         if self.fn is not None:
-            self.fn(*args)
+            if torch.compiler.is_compiling():
+                self.traced(*args)  # type: ignore[misc]
+            else:
+                self.fn(*args)  # without the eager wrapper's cost (about a microsecond)
 
     def __deepcopy__(self, memo: Any) -> _ModuleHook:
         return _ModuleHook(None)

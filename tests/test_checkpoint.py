@@ -471,6 +471,13 @@ def test_errors() -> None:
         offload_checkpointing(lin)
 
 
+def test_a_function_that_is_not_callable_raises_naming_function() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    for call in (offload.checkpoint, offload.CheckpointOffloader().checkpoint):
+        with pytest.raises(TypeError, match=r"function must be callable.*got int 42"):
+            call(42, x)
+
+
 def test_default_offloader_and_checkpoint_stats() -> None:
     offload.checkpoint_stats(reset=True)
     lin = nn.Linear(256, 256)

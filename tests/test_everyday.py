@@ -3,10 +3,13 @@ drift, misuse fails loudly, nothing is a silent no-op (CPU path)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 import tracemalloc
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -461,3 +464,152 @@ def test_scalars_and_empty_tensors_neither_travel_nor_choose_the_device() -> Non
     # chosen device and go the usual way (min_tensor_bytes=0: they travel)
     assert stats.bytes_kept["small"] == 4
     assert [la.bytes_offloaded > 0 for la in stats.layers] == [True, True, False]
+
+
+# ---- 8. two threads, one offloader each, one shared model ----------------------------------
+
+
+def two_threads_share_a_model(device: str, steps: int = 15) -> None:
+    """Two threads, each with its own offloader over the same layers of one model with
+    frozen weights, ``steps`` steps each: the layer hooks of one offloader fire on both
+    threads and must act only on the thread that entered it. Input gradients are
+    ``torch.equal`` to a run without offloading, and both offloaders offload."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(32, 2, 64) for _ in range(4)).to(device)
+    layers.requires_grad_(False)
+    inputs = [[torch.randn(2, 8, 32, device=device) + i for i in range(steps)] for _ in range(2)]
+
+    def input_grads(xs: list[torch.Tensor], off: Any) -> list[torch.Tensor]:
+        grads = []
+        for x in xs:
+            x = x.clone().requires_grad_(True)
+            with off if off is not None else contextlib.nullcontext():
+                y = models.run_plain(layers, x)
+            y.float().square().mean().backward()
+            grads.append(x.grad)
+        return grads
+
+    want = [input_grads(xs, None) for xs in inputs]
+    offloaders = [
+        offload.ActivationOffloader(layers, offload_layers=[1, 2], min_tensor_bytes=0)
+        for _ in range(2)
+    ]
+    got: list[Any] = [None, None]
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            got[i] = input_grads(inputs[i], offloaders[i])
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want[i], strict=True))
+        stats = offloaders[i].stats
+        assert [la.bytes_offloaded > 0 for la in stats.layers] == [False, True, True, False]
+        offloaders[i].close()
+
+
+def test_two_threads_two_offloaders_one_model() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads sharing one OpenMP pool crawl
+    try:
+        two_threads_share_a_model("cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- 9. messages that name the cause -------------------------------------------------------
+
+
+def test_same_module_listed_twice_raises_naming_layers_and_index() -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"layers\[2\] is the same Linear as layers\[0\]"):
+        offload.ActivationOffloader([a, b, a])
+
+
+def test_calls_out_of_the_listed_order_warn_once() -> None:
+    layers = [nn.Linear(8, 8) for _ in range(3)]
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"call 0 ran layers\[1\].*before layers\[0\]"):
+        with off:
+            layers[2](layers[0](layers[1](x)))
+    assert off.stats.layers[0].bytes_offloaded > 0  # call 0, whatever its module
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        with off:
+            layers[2](layers[0](layers[1](x)))
+        # a module called again is not out of order
+        again = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+        with again:
+            layers[2](layers[1](layers[1](layers[0](layers[0](x)))))
+
+
+class _InnerHooks(nn.Module):
+    """Pushes saved-tensor hooks around its own body."""
+
+    def __init__(self, hooks: Any) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.hooks = hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.hooks():
+            return torch.tanh(self.lin(x))
+
+
+class _OtherLibrary:
+    """Another library's saved-tensor hooks."""
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __call__(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, self.unpack)
+
+
+@pytest.mark.parametrize(
+    "hooks, name",
+    [
+        (torch.autograd.graph.save_on_cpu, "torch.autograd.graph.save_on_cpu"),
+        (_OtherLibrary(), f"{__name__}._OtherLibrary.unpack"),
+    ],
+)
+def test_saved_tensor_hooks_inside_a_layer_are_named_as_the_cause(hooks: Any, name: str) -> None:
+    layers = [_InnerHooks(hooks) for _ in range(3)]
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    x = torch.randn(4, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with off:
+            y = models.run_plain(layers, x)
+    y.sum().backward()
+    messages = [str(w.message) for w in record]
+    named = [m for m in messages if "none of the tensors it saved" in m]
+    assert len(named) == 1 and f"here: {name})" in named[0], messages
+    assert "layer call 0 (_InnerHooks)" in named[0]
+    assert not any("is grad enabled" in m for m in messages), messages
+    assert off.stats.bytes_offloaded == 0
+
+
+def test_a_layer_that_saves_nothing_is_not_blamed_on_other_hooks() -> None:
+    class Shift(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1.0  # saves nothing for backward
+
+    layers = [Shift() for _ in range(3)]
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    with pytest.warns(UserWarning, match="saved no tensor") as record:
+        with off:
+            models.run_plain(layers, torch.randn(4, 16, requires_grad=True))
+    assert not any("none of the tensors it saved" in str(w.message) for w in record)

@@ -170,3 +170,9 @@ def test_race_stress_tiny_layers_and_long_kernels() -> None:
         want = models.step(ref, x, models.run_plain)
         assert_same(got, want)
     assert off.stats.bytes_offloaded > 0
+
+
+def test_two_threads_two_offloaders_one_model() -> None:
+    from tests.test_everyday import two_threads_share_a_model
+
+    two_threads_share_a_model(DEV)
