@@ -1,8 +1,8 @@
 """The policy of ``offload_layers="auto"``: measure, decide, verify, re-decide.
 
-Per kind of input (a :class:`Family`: the first layer call's tensor ranks, dtypes and
-devices, and the hidden size; sizes may change within one) the policy moves through
-:class:`Phase`:
+Per kind of input (a :class:`Family`, ``offload/_auto_family.py``: the first layer
+call's tensor ranks, dtypes and devices, and the hidden size; sizes may change within
+one) the policy moves through :class:`Phase`:
 
 ``MEASURE``
     Nothing measured yet. The step runs ``"all"`` (every call but the last offloaded:
@@ -14,51 +14,68 @@ devices, and the hidden size; sizes may change within one) the policy moves thro
     scaled by what real steps measured against the prediction (the measuring forward's
     instrumentation, and the process's first step, cost time a real step does not
     spend), and never fewer layers than the device memory needs
-    (:func:`offload._auto.memory_floor`). Steps without offloading alternate with the
-    chosen ones while memory allows (:data:`VERIFY_STEPS` of each); when the measured
-    ratio exceeds ``1 + max_slowdown``, one layer comes off and the round repeats.
+    (:func:`offload._auto.memory_floor`; the memory reason is recorded). Steps without
+    offloading alternate with the chosen ones while memory allows them; when the
+    measured ratio exceeds ``1 + max_slowdown``, one layer comes off and the round
+    repeats.
 ``SETTLED``
     Verified, or forced by memory, or unverifiable (memory never allows a step without
-    offloading). The ratio of the last :data:`WATCH_STEPS` steps to the verified base is
-    watched; past the limit, a fresh round of ``VERIFY`` starts.
+    offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
+    limit, a fresh round of ``VERIFY`` starts.
 
-Every decided step is timed (``StepWatch``: two marks on the compute stream). When a
-step at a size that was predicted, not measured, takes a different share of its
-prediction than the steps before it (more than :data:`PREDICTION_TOLERANCE`), the
-prediction proved wrong, and the next step is measured again at its own plan. State is
-bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload._auto_fit.MAX_POINTS`
-sizes each, :data:`MAX_DECISIONS` cached decisions, bounded sample queues.
+The first measurement of an offloader is its first step (the allocator and the kernels
+warm up in it): the next step measures again at its own plan. A size predicted, not
+measured, whose step proves the prediction wrong is measured again at the next step.
+State is bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload._auto_fit.MAX_POINTS`
+sizes each, :data:`MAX_DECISIONS` sizes' decisions, :data:`MAX_PENDING` steps whose times
+are not read yet, bounded sample queues.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-import statistics
 from typing import Any
 
 import torch
 
 from offload import _auto
+from offload._auto_family import (
+    PREDICTION_TOLERANCE,
+    RESCALE,
+    RESIDUALS,
+    VERIFY_STEPS,
+    WATCH_STEPS,
+    Family,
+    Memory,
+    Phase,
+    Run,
+    Sized,
+    StepRecord,
+)
 from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes
 from offload._auto_probe import DeviceMemory, Meter, Probe, StepWatch, meter_for
 from offload._plan import plan_forward
 
-__all__ = ["AutoPolicy", "Family", "Phase", "Run"]
+__all__ = [
+    "MAX_DECISIONS",
+    "MAX_FAMILIES",
+    "MAX_PENDING",
+    "MEMORY_MARGIN",
+    "PREDICTION_TOLERANCE",
+    "RESCALE",
+    "RESIDUALS",
+    "VERIFY_STEPS",
+    "WATCH_EVERY",
+    "WATCH_STEPS",
+    "AutoPolicy",
+    "Family",
+    "Phase",
+    "Run",
+]
 
-#: Steps without offloading, and steps with the choice, per verification round.
-VERIFY_STEPS = 3
-#: Steps of the choice whose median ratio is watched once settled.
-WATCH_STEPS = 5
-#: Measured/predicted step-time ratios kept per kind of step (their median scales the
-#: predicted compute).
-RESIDUALS = 8
-#: A step's measured/predicted ratio this far from the median of those before it means
-#: the prediction for its size was wrong: the next step is measured again.
-PREDICTION_TOLERANCE = 0.10
-#: A change of the scale by more than this re-decides and verifies again.
-RESCALE = 0.05
+#: Once settled, one step in this many is timed.
+WATCH_EVERY = 4
 #: Share of the device memory limit kept free (fragmentation, what the model misses).
 MEMORY_MARGIN = 0.05
 #: Kinds of input remembered, least recently used dropped first.
@@ -72,161 +89,6 @@ _NO_ACCELERATOR = {
     "reason": "no accelerator: there is no overlap to measure and no device memory to "
     "save; 'auto' selects like 'all' (every call but the last)"
 }
-
-
-class Phase(enum.Enum):
-    """Where one kind of input stands (module docstring)."""
-
-    MEASURE = "measure"
-    VERIFY = "verify"
-    SETTLED = "settled"
-
-
-class Run(enum.Enum):
-    """What one step runs: a measuring forward, the choice, or nothing offloaded."""
-
-    PROBE = "probe"
-    PLAN = "plan"
-    NONE = "none"
-
-
-@dataclasses.dataclass
-class Memory:
-    """The memory side of one decision, in bytes: the limit less the margin,
-    the predicted peak with ``"all"`` and with the choice, whether a step without
-    offloading fits, and the fewest layers memory needs."""
-
-    limit: float
-    peak_all: float
-    peak: float
-    none_fits: bool
-    floor: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """One step, from its start until its time is read."""
-
-    family: Family
-    tokens: int
-    quad: int
-    run: Run
-    offloaded: int
-    forced: bool
-    exact: bool
-    generation: int
-    predicted_s: float | None  # unscaled prediction of the step's time
-    predicted_peak: float | None
-    start_memory: DeviceMemory | None
-    cold: bool = False
-    watch: StepWatch | None = None
-    age: int = 0
-
-
-class Family:
-    """One kind of input: its measured sizes, scale, verification state and back-off."""
-
-    def __init__(self) -> None:
-        self.model: ShapeModel | None = None
-        self.phase = Phase.MEASURE
-        self.scale = 1.0
-        self.residuals: dict[Run, collections.deque[float]] = {
-            Run.NONE: collections.deque(maxlen=RESIDUALS),
-            Run.PLAN: collections.deque(maxlen=RESIDUALS),
-        }
-        self.generation = 0
-        self.backoff = 0
-        #: steps without offloading: (tokens, quad, seconds); in flight: not read yet
-        self.none: collections.deque[tuple[int, int, float]] = collections.deque(
-            maxlen=VERIFY_STEPS
-        )
-        self.none_in_flight = 0
-        #: steps of the choice this generation: (tokens, quad, seconds, forced)
-        self.plan: collections.deque[tuple[int, int, float, bool]] = collections.deque(
-            maxlen=WATCH_STEPS
-        )
-        self.last_run: Run | None = None
-        self.reprobe = False
-        self.probing = False
-        self.measured_ratio: float | None = None
-        self.memory_excess = 0.0
-        self.blocked = 0
-        self.note = ""
-        self.decisions: collections.OrderedDict[Any, tuple[Any, Any, dict]] = (
-            collections.OrderedDict()
-        )
-
-    def new_generation(self, note: str = "") -> None:
-        """The choice changed (back-off, scale): its samples start again, and a settled
-        choice is verified again (the steps without offloading are kept)."""
-        self.generation += 1
-        self.plan.clear()
-        if self.phase is Phase.SETTLED:
-            self.phase = Phase.VERIFY
-        if note:
-            self.note = note
-
-    def settle(self, note: str) -> None:
-        self.phase = Phase.SETTLED
-        self.note = note
-
-    def none_at(self, tokens: int, quad: int) -> float | None:
-        """The step time without offloading at a size: the measured ones, carried to it
-        by the prediction's ratio between sizes."""
-        if not self.none or self.model is None:
-            return None
-        ratios = []
-        for n, q, t in self.none:
-            p = _base(self.model.predict(n, q))
-            if p > 0:
-                ratios.append(t / p)
-        if not ratios:
-            return None
-        return _base(self.model.predict(tokens, quad)) * statistics.median(ratios)
-
-    def ratio(self, samples: list[tuple[int, int, float, bool]]) -> float | None:
-        out = []
-        for n, q, t, _ in samples:
-            none = self.none_at(n, q)
-            if none:
-                out.append(t / none)
-        return statistics.median(out) if out else None
-
-    def evaluate(self, max_slowdown: float) -> None:
-        """After a step's time was read: finish a verification round or watch."""
-        limit = 1.0 + max_slowdown
-        samples = list(self.plan)
-        if self.phase is Phase.VERIFY:
-            if len(self.none) < VERIFY_STEPS or len(samples) < VERIFY_STEPS:
-                return
-            m = self.ratio(samples[-VERIFY_STEPS:])
-            self.measured_ratio = m
-            if m is None:
-                return
-            if m > limit and not all(s[3] for s in samples):
-                self.backoff += 1
-                self.new_generation(
-                    f"measured {m:.3f}x against steps without offloading: one layer less"
-                )
-            elif m > limit:
-                self.settle(f"measured {m:.3f}x; memory allows no fewer layers")
-            else:
-                self.settle(f"verified: {m:.3f}x against steps without offloading")
-        elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
-            m = self.ratio(samples)
-            self.measured_ratio = m
-            if m is not None and m > limit and not all(s[3] for s in samples):
-                self.phase = Phase.VERIFY
-                self.none.clear()
-                self.plan.clear()
-                self.note = f"the measured ratio drifted to {m:.3f}x: verifying again"
-
-
-def _base(est: Estimate) -> float:
-    return sum(c.forward(False) + c.backward(False) for c in est.costs) + est.gap_s
 
 
 def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
@@ -286,7 +148,7 @@ class AutoPolicy:
         return {
             "families": len(fams),
             "points": sum(len(f.model.points) for f in fams if f.model is not None),
-            "decisions": sum(len(f.decisions) for f in fams),
+            "decisions": sum(len(f.sizes) for f in fams),
             "pending": len(self.pending),
             "samples": sum(len(f.none) + len(f.plan) for f in fams),
         }
@@ -316,8 +178,9 @@ class AutoPolicy:
         if fam.model is None:
             self._measure_all(off, step, fam, meter, device, tokens, quad, memory)
             return
-        est = fam.model.predict(tokens, quad)
-        decision, mem, stats = self._decide(fam, est, memory, meter, device, cfg, tokens, quad)
+        sized = self._sized(fam, tokens, quad)
+        est = sized.est
+        decision, mem, stats = self._decide(fam, sized, memory, meter, device, cfg)
         chosen = len(decision.offloaded)
         if step.capture:  # a captured step is neither timed nor verified
             run = Run.PLAN if chosen else Run.NONE
@@ -330,9 +193,14 @@ class AutoPolicy:
         fam.last_run = run
         # measured again at the step's own plan (never a verifying step's)
         probe = not step.capture and fam.reprobe and not fam.probing and k == chosen
+        # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
+        fam.tick += 1
+        watched = not step.capture and (
+            probe or fam.phase is not Phase.SETTLED or fam.tick % WATCH_EVERY == 0
+        )
         if probe:
             fam.reprobe = False
-        elif run is Run.NONE and not step.capture:
+        elif run is Run.NONE and watched:
             fam.none_in_flight += 1
         d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
         record = StepRecord(
@@ -344,14 +212,14 @@ class AutoPolicy:
             forced=decision.memory_reason is not None,
             exact=est.exact,
             generation=fam.generation,
-            predicted_s=_auto.predict_step(
-                est.costs, range(k), d2h, h2d, cfg.prefetch_layers, est.gap_s
-            ),
-            predicted_peak=None if mem is None else mem.peak_all + sum(est.freed[k : L - 1]),
+            predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
+            predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
             start_memory=memory,
         )
-        if not step.capture:
-            self._watch(off, step, record, meter, device, probe)
+        if watched:
+            # the step's peak is read at its end where memory binds (the model's error)
+            tight = mem is not None and (mem.floor > 0 or mem.peak > 0.8 * mem.limit)
+            self._watch(off, step, record, meter, device, probe, tight)
         out = dict(stats)
         out.update(self._step_stats(fam, record, decision, est, mem))
         step.stats.auto = out
@@ -416,8 +284,9 @@ class AutoPolicy:
         meter: Meter,
         device: torch.device,
         probe: bool,
+        memory: bool = True,
     ) -> None:
-        watch = (Probe if probe else StepWatch)(meter, device, record)
+        watch = (Probe if probe else StepWatch)(meter, device, record, memory or probe)
         record.watch = watch
         step.watch = watch
         if probe:
@@ -432,42 +301,64 @@ class AutoPolicy:
 
     # ---- deciding ----------------------------------------------------------------------
 
+    def _sized(self, fam: Family, tokens: int, quad: int) -> Sized:
+        """The costs at one size (cached per size while the points do not change)."""
+        model = fam.model
+        sized = fam.sizes.get((tokens, quad))
+        if sized is None or sized.version != model.version:  # type: ignore[union-attr]
+            est = model.predict(tokens, quad)  # type: ignore[union-attr]
+            L = len(est.freed)
+            kept = [0.0] * L
+            for k in range(L - 2, -1, -1):
+                kept[k] = kept[k + 1] + est.freed[k]
+            sized = fam.sizes[(tokens, quad)] = Sized(model.version, est, kept)  # type: ignore[union-attr]
+            while len(fam.sizes) > MAX_DECISIONS:
+                fam.sizes.popitem(last=False)
+        fam.sizes.move_to_end((tokens, quad))
+        return sized
+
+    @staticmethod
+    def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
+        """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
+        got = sized.predicted.get(k)
+        if got is None:
+            est = sized.est
+            got = sized.predicted[k] = _auto.predict_step(
+                est.costs, range(k), d2h, h2d, prefetch, est.gap_s
+            )
+        return got
+
     def _decide(
         self,
         fam: Family,
-        est: Estimate,
+        sized: Sized,
         memory: DeviceMemory | None,
         meter: Meter,
         device: torch.device,
         cfg: Any,
-        tokens: int,
-        quad: int,
     ) -> tuple[_auto.AutoDecision, Memory | None, dict[str, Any]]:
-        """The choice at one size, its memory side and its JSON-ready form (cached per
-        size while nothing it depends on changed)."""
-        L = len(est.costs)
+        """The choice at one size, its memory side and its JSON-ready form (the choice
+        is made again only when something it depends on changed)."""
+        est = sized.est
         mem = None
-        note = ""
         if memory is not None and est.act_bytes is not None:
             limit = memory.limit * (1.0 - MEMORY_MARGIN) - fam.memory_excess
             peak_all = memory.allocated + est.act_bytes
             floor = _auto.memory_floor(est.freed, peak_all, limit)
-            everything = peak_all + sum(est.freed[: L - 1])
-            mem = Memory(limit, peak_all, peak_all, everything <= limit, floor)
-            note = (
-                f"{limit / 2**30:.2f} GiB of device memory (the limit less "
-                f"{MEMORY_MARGIN:.0%}) holds the step's predicted peak only with "
-                f"{floor} layers offloaded"
-            )
+            mem = Memory(limit, peak_all, peak_all, peak_all + sized.kept[0] <= limit, floor)
         floor = mem.floor if mem is not None else 0
-        stamp = (fam.model.version, fam.generation, fam.scale, fam.backoff, floor)  # type: ignore[union-attr]
-        cached = fam.decisions.get((tokens, quad))
-        if cached is not None and cached[0] == stamp:
-            decision, stats = cached[1], cached[2]
-        else:
+        stamp = (fam.generation, fam.scale, fam.backoff, floor)
+        if sized.stamp != stamp or sized.decision is None:
+            note = ""
+            if mem is not None:
+                note = (
+                    f"{mem.limit / 2**30:.2f} GiB of device memory (the limit less "
+                    f"{MEMORY_MARGIN:.0%}) holds the step's predicted peak only with "
+                    f"{floor} layers offloaded"
+                )
             costs, gap = _scaled(est, fam.scale)
             d2h, h2d = meter.link(device)
-            decision = _auto.choose(
+            sized.decision = _auto.choose(
                 costs,
                 d2h,
                 h2d,
@@ -478,15 +369,12 @@ class AutoPolicy:
                 backoff=fam.backoff,
                 memory_note=note,
             )
-            stats = decision.to_dict()
-            fam.decisions[(tokens, quad)] = (stamp, decision, stats)
-            while len(fam.decisions) > MAX_DECISIONS:
-                fam.decisions.popitem(last=False)
-        fam.decisions.move_to_end((tokens, quad))
+            sized.stats = sized.decision.to_dict()
+            sized.stamp = stamp
+        decision = sized.decision
         if mem is not None:
-            k = len(decision.offloaded)
-            mem.peak = mem.peak_all + sum(est.freed[k : L - 1])
-        return decision, mem, stats
+            mem.peak = mem.peak_all + sized.kept[len(decision.offloaded)]
+        return decision, mem, sized.stats  # type: ignore[return-value]
 
     def _next_run(self, fam: Family, decision: _auto.AutoDecision, mem: Memory | None) -> Run:
         """A step without offloading, or the choice (module docstring, ``VERIFY``)."""
@@ -523,7 +411,7 @@ class AutoPolicy:
             elif watch is not None and watch.end is not None:
                 seconds = watch.seconds()
                 if seconds is not None:
-                    self._timed(record, seconds, watch.end_memory, max_slowdown)
+                    record.family.observe(record, seconds, watch.end_memory, max_slowdown)
                     continue
             record.age += 1
             if record.age <= MAX_PENDING:
@@ -580,7 +468,7 @@ class AutoPolicy:
         )
         if fam.model is None or fam.model.num_groups != L:
             fam.model = ShapeModel(L)
-            fam.decisions.clear()
+            fam.sizes.clear()
         was_cold = all(p.cold for p in fam.model.points)
         fam.model.add(point)
         if was_cold and not point.cold:
@@ -592,47 +480,6 @@ class AutoPolicy:
             fam.phase = Phase.VERIFY
         if all(p.cold for p in fam.model.points):
             fam.reprobe = True  # once more, warm, at the choice's own plan
-
-    def _timed(
-        self,
-        record: StepRecord,
-        seconds: float,
-        end: DeviceMemory | None,
-        max_slowdown: float,
-    ) -> None:
-        """A timed step completed: memory, scale, prediction check, verification."""
-        fam = record.family
-        run = record.run
-        if run is Run.NONE:
-            fam.none_in_flight = max(0, fam.none_in_flight - 1)
-        start = record.start_memory
-        if (
-            start is not None
-            and end is not None
-            and end.peak > start.peak
-            and record.predicted_peak is not None
-        ):
-            fam.memory_excess = max(fam.memory_excess, end.peak - record.predicted_peak)
-        if fam.model is None or not record.predicted_s:
-            return
-        rho = seconds / record.predicted_s
-        if record.exact or fam.model.covers(record.tokens, record.quad):
-            # a size measured, or inside a fit of enough sizes: what the step took beyond
-            # the prediction is the instrumentation's (and the first step's) share
-            fam.residuals[run].append(rho)
-            scale = statistics.median(fam.residuals[Run.NONE] or fam.residuals[Run.PLAN])
-            if abs(scale / fam.scale - 1.0) > RESCALE:
-                fam.scale = scale
-                fam.new_generation()
-                if run is Run.PLAN:
-                    return  # measured with the old scale's choice
-        elif abs(rho / fam.scale - 1.0) > PREDICTION_TOLERANCE:
-            fam.reprobe = True  # the prediction for this size proved wrong
-        if run is Run.NONE:
-            fam.none.append((record.tokens, record.quad, seconds))
-        elif record.generation == fam.generation:
-            fam.plan.append((record.tokens, record.quad, seconds, record.forced))
-        fam.evaluate(max_slowdown)
 
     def _step_stats(
         self,

@@ -142,14 +142,17 @@ def meter_for(device: torch.device) -> Meter | None:
 class StepWatch:
     """Times one step on the compute stream, from the start of its first layer call to
     the end of its backward (two marks, one gradient hook on the first call's outputs
-    and one engine callback), and reads the device memory at the end.
+    and one engine callback), and reads the device memory at the end (``memory``).
 
     ``record``: the policy's description of the step (kept for it, never read here)."""
 
-    def __init__(self, meter: Meter, device: torch.device | None, record: Any) -> None:
+    def __init__(
+        self, meter: Meter, device: torch.device | None, record: Any, memory: bool = True
+    ) -> None:
         self.meter = meter
         self.device = device
         self.record = record
+        self.read_memory = memory
         self.start: tuple[Any, float] | None = None
         self.end: tuple[Any, float] | None = None
         self.end_memory: DeviceMemory | None = None
@@ -165,7 +168,9 @@ class StepWatch:
     def closed(self, step: Any, group: Any, outputs: Any) -> None:
         if group.index == 0:
             tensors = _tensors_in(outputs, [])
-            if tensors:
+            if len(tensors) == 1:  # the usual case: a plain hook is cheaper
+                self._hooks.append(tensors[0].register_hook(self._backward_reached))
+            elif tensors:
                 self._hooks.append(
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, self._backward_reached, mode="any"
@@ -190,7 +195,8 @@ class StepWatch:
 
     def _backward_ended(self) -> None:
         self.end = self.meter.mark(self.device, "end", 0)
-        self.end_memory = self.meter.memory(self.device)
+        if self.read_memory:
+            self.end_memory = self.meter.memory(self.device)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -226,8 +232,10 @@ class Probe(StepWatch):
     """The measuring forward: :class:`StepWatch` plus four marks per layer call, the
     bytes each call saves and the compute stream's stalls (module docstring)."""
 
-    def __init__(self, meter: Meter, device: torch.device | None, record: Any) -> None:
-        super().__init__(meter, device, record)
+    def __init__(
+        self, meter: Meter, device: torch.device | None, record: Any, memory: bool = True
+    ) -> None:
+        super().__init__(meter, device, record, memory)
         self.marks: list[dict[str, Any]] = []
         self.candidates: list[dict[int, int]] = []
         self.owner: dict[int, int] = {}  # storage -> the call that saved it first

@@ -23,13 +23,16 @@ from offload._auto_probe import DeviceMemory, Meter
 class FakeMemory:
     """Device memory: a fixed ``base`` allocated before each step, ``act(tokens)``
     bytes at the peak with ``"all"``, and ``freed(tokens)[i]`` more while call ``i``
-    stays resident. Every step's simulated peak is kept in :attr:`peaks`."""
+    stays resident. Every step's simulated peak is kept in :attr:`peaks`; the
+    allocator's peak counter is reset when a step starts (after the policy's reading
+    before its first layer), as a loop that resets it every step does."""
 
     limit: int
     base: int
     act: Callable[[int], float]
     freed: Callable[[int], list[int]]
     peaks: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    counter: float = 0.0  # the allocator's peak since its last reset
 
     def peak(self, tokens: int, k: int) -> float:
         freed = self.freed(tokens)
@@ -70,7 +73,8 @@ class FakeMeter(Meter):
         self.fake_memory = memory
         self.records: list[Any] = []
         self._times: dict[tuple[str, int], float] = {}
-        self._ended = False
+        if memory is not None:
+            memory.counter = memory.base
 
     def begin(self, record: Any) -> None:
         self.records.append(record)
@@ -92,10 +96,15 @@ class FakeMeter(Meter):
         times[("end", 0)] = t if probe else self.step_time(n, k)
         self._times = times
         self._tokens, self._k = n, k
+        if self.fake_memory is not None:
+            self.fake_memory.counter = self.fake_memory.base
 
     def mark(self, device: Any, what: str, index: int) -> tuple[Any, float]:
-        if what == "end":
-            self._ended = True
+        mem = self.fake_memory
+        if what == "end" and mem is not None:
+            peak = mem.peak(self._tokens, self._k)
+            mem.peaks.append((self._tokens, self._k, peak))
+            mem.counter = max(mem.counter, peak)
         return self._times[(what, index)], 0.0
 
     def seconds(self, a: Any, b: Any) -> float | None:
@@ -105,12 +114,7 @@ class FakeMeter(Meter):
         mem = self.fake_memory
         if mem is None:
             return None
-        if self._ended:  # read at the step's end: its peak
-            self._ended = False
-            peak = mem.peak(self._tokens, self._k)
-            mem.peaks.append((self._tokens, self._k, peak))
-            return DeviceMemory(mem.limit, mem.base, int(peak))
-        return DeviceMemory(mem.limit, mem.base, mem.base)
+        return DeviceMemory(mem.limit, mem.base, int(mem.counter))
 
     def allocated(self, device: Any) -> int | None:
         return None if self.fake_memory is None else self.fake_memory.base

@@ -247,7 +247,7 @@ def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift(
     # conditions change: one offloaded layer now costs 4 %: the watch sees the drift,
     # a fresh verification measures it, and the layer comes off
     penalty["per_layer"] = 0.04
-    runs = [_run(layers, ref, off, 16) for _ in range(20)]
+    runs = [_run(layers, ref, off, 16) for _ in range(_auto_policy.WATCH_EVERY * 6 + 10)]
     assert any("drifted" in r["verification"] for r in runs)
     assert runs[-1]["chosen"] == [] and runs[-1]["sent"] == 0
 
@@ -286,4 +286,4 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
                 assert auto["sent"] > 0 and auto["ran"] == auto["chosen"], (i, auto)
     assert offloading > 900
     assert verifying <= 3 * _auto_policy.VERIFY_STEPS
-    assert len(meter.records) == 1000
+    assert len(meter.records) >= 1000 // _auto_policy.WATCH_EVERY  # timed steps
