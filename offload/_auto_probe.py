@@ -120,18 +120,23 @@ class CudaMeter(Meter):
 
     def memory(self, device: torch.device | None) -> DeviceMemory | None:
         stats = torch.cuda.memory_stats_as_nested_dict(device)
-        allocated = stats["allocated_bytes"]["all"]
-        reserved = stats["reserved_bytes"]["all"]["current"]
+        try:
+            allocated = stats["allocated_bytes"]["all"]
+            current, peak = allocated["current"], allocated["peak"]
+            reserved = stats["reserved_bytes"]["all"]["current"]
+        except KeyError:  # an allocator backend without these statistics: no gauge
+            return None
         free, total = torch.cuda.mem_get_info(device)
         try:
             fraction = torch.cuda.get_per_process_memory_fraction(device)
         except (AttributeError, RuntimeError):  # older PyTorch: no getter
             fraction = 1.0
         limit = min(int(total * fraction), reserved + free)
-        return DeviceMemory(limit, allocated["current"], allocated["peak"])
+        return DeviceMemory(limit, current, peak)
 
     def allocated(self, device: torch.device | None) -> int | None:
-        return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        return stats.get("allocated_bytes", {}).get("all", {}).get("current")
 
 
 def meter_for(device: torch.device) -> Meter | None:
@@ -237,7 +242,9 @@ class Probe(StepWatch):
     ) -> None:
         super().__init__(meter, device, record, memory)
         self.marks: list[dict[str, Any]] = []
-        self.candidates: list[dict[int, int]] = []
+        #: per call: storage -> bytes it would send (saves placed in a call before its
+        #: start mark, a checkpoint's inputs, count too)
+        self.candidates: dict[int, dict[int, int]] = {}
         self.owner: dict[int, int] = {}  # storage -> the call that saved it first
         self.stats: list[Any] = []  # each call's LayerStats
         self.copies: list[int] = []
@@ -256,7 +263,6 @@ class Probe(StepWatch):
         self.times.append(group.times)
         self.stats.append(group.stats)
         self.offloaded.append(bool(group.offload))
-        self.candidates.append({})
         self.copies.append(0)
         index = group.index
         self.marks.append({"f0": self.meter.mark(self.device, "f0", index)})
@@ -267,7 +273,8 @@ class Probe(StepWatch):
         super().closed(step, group, outputs)
         index = group.index
         self.marks[index]["f1"] = self.meter.mark(self.device, "f1", index)
-        self.copies[index] = len(group.copies) if group.offload else len(self.candidates[index])
+        cands = self.candidates.get(index, {})
+        self.copies[index] = len(group.copies) if group.offload else len(cands)
         self.at_close = [len(t) for t in self.times]
         self._sample()
         tensors = _tensors_in(outputs, [])
@@ -281,7 +288,7 @@ class Probe(StepWatch):
     def count(self, index: int, key: int, nbytes: int) -> None:
         owner = self.owner.setdefault(key, index)
         if owner == index:
-            cands = self.candidates[index]
+            cands = self.candidates.setdefault(index, {})
             cands[key] = max(cands.get(key, 0), nbytes)
 
     def _at(self, index: int, kind: str, _grad: Any) -> None:
@@ -340,7 +347,7 @@ class Probe(StepWatch):
                 host_fwd = max(0.0, host_fwd - per_copy * self.copies[i])
                 host_bwd = max(0.0, host_bwd - per_copy * self.copies[i])
             else:
-                link = freed = sum(self.candidates[i].values())
+                link = freed = sum(self.candidates.get(i, {}).values())
             out.forward_s.append(max(0.0, fwd))
             out.backward_s.append(max(0.0, bwd))
             out.host_forward_s.append(max(0.0, host_fwd))

@@ -748,8 +748,8 @@ class Step:
             )
         if self.probe:
             raise RuntimeError(
-                "offload: offload_layers='auto' measures the first forward of each input "
-                "shape, and a CUDA graph capture cannot be measured; run two eager steps "
+                "offload: offload_layers='auto' measures the first forward of each kind "
+                "of input, and a CUDA graph capture cannot be measured; run two eager steps "
                 "with the capture's shapes first (the usual warm-up), or pass an explicit "
                 "offload_layers"
             )
