@@ -15,8 +15,32 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+import torch
+
+from offload import _auto_fit, _auto_policy
 from offload._auto import LayerCost, predict_step
 from offload._auto_probe import DeviceMemory, Meter
+
+
+@pytest.fixture
+def one_thread():
+    """Small CPU models run faster on one thread (and do not crowd a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def state_bounds() -> dict[str, int]:
+    """The most :meth:`offload._auto_policy.AutoPolicy.state_size` may report."""
+    return {
+        "families": _auto_policy.MAX_FAMILIES,
+        "points": _auto_fit.MAX_POINTS,
+        "decisions": _auto_policy.MAX_DECISIONS,
+        "pending": _auto_policy.MAX_PENDING,
+        "samples": _auto_policy.VERIFY_STEPS + _auto_policy.WATCH_STEPS,
+    }
 
 
 @dataclasses.dataclass

@@ -12,17 +12,10 @@ from torch import nn
 import offload
 from offload._auto import LayerCost, choose, predict_step
 from tests import models
-from tests.auto_fake import FakeMeter
+from tests.auto_fake import FakeMeter, one_thread  # noqa: F401  (fixture)
 from tests.models import assert_same, step, twin
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small CPU models run faster on one thread (and do not crowd a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GB = 1e9

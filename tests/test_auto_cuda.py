@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import offload
-from offload import _auto_fit, _auto_policy
+from offload import _auto_policy
+from tests.auto_fake import state_bounds
 from tests.models import ON_CUDA_DETERMINISTIC
 
 pytestmark = ON_CUDA_DETERMINISTIC
@@ -132,13 +133,7 @@ def test_new_length_every_step_keeps_offloading_within_three_percent() -> None:
     gen = torch.Generator(DEV).manual_seed(0)
     for _ in range(2):  # kernels and allocator warm, as in any run past its first steps
         _step(model, torch.randint(0, 32000, (1, 4096), device=DEV, generator=gen))
-    bounds = {
-        "families": _auto_policy.MAX_FAMILIES,
-        "points": _auto_fit.MAX_POINTS,
-        "decisions": _auto_policy.MAX_DECISIONS,
-        "pending": _auto_policy.MAX_PENDING,
-        "samples": _auto_policy.VERIFY_STEPS + _auto_policy.WATCH_STEPS,
-    }
+    bounds = state_bounds()
     rows = []
     for i in range(20):
         seq = rng.randint(2048, 8192)

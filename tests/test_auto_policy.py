@@ -13,20 +13,13 @@ import torch
 from torch import nn
 
 import offload
-from offload import _auto_fit, _auto_policy
+from offload import _auto_policy
 from offload._auto import LayerCost, choose
 from tests import models
-from tests.auto_fake import FakeMemory, FakeMeter
+from tests.auto_fake import FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
 from tests.models import assert_same, step, twin
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small CPU models run faster on one thread (and do not crowd a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(n_layers: int, dim: int = 64, **kw):
@@ -266,13 +259,7 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
     meter = FakeMeter(_attention_costs(2e-6, 2e-9, L), 5e8)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
     off._auto.meter = meter
-    bounds = {
-        "families": _auto_policy.MAX_FAMILIES,
-        "points": _auto_fit.MAX_POINTS,
-        "decisions": _auto_policy.MAX_DECISIONS,
-        "pending": _auto_policy.MAX_PENDING,
-        "samples": _auto_policy.VERIFY_STEPS + _auto_policy.WATCH_STEPS,
-    }
+    bounds = state_bounds()
     verifying = offloading = 0
     for i in range(1000):
         auto = _run(layers, ref, off, 8 + i, dim=dim, batch=1)
