@@ -1,14 +1,17 @@
-"""``offload_layers="auto"``: offload as many layers as the link hides behind compute.
+"""``offload_layers="auto"``: how many layers the link hides, and how many memory needs.
 
-The first forward of each input shape runs with nothing offloaded and measures, per
-layer call, its forward and backward time and the bytes it would offload; the host link
-bandwidth is measured once per device. From those numbers :func:`predict_step` replays
-the schedule of ``# Note [release order]`` (one copy stream per direction, copies
-serialised on it, the compute stream waiting where the note says it waits) and
-:func:`choose` takes the longest prefix of layers whose predicted step stays within
-``max_slowdown`` of the step without offloading. Prefixes, because the release rule
-keeps the last ``L - k`` groups resident: the first layers are the ones whose copies have
-the most compute to hide behind.
+From per-layer costs (forward and backward time, the bytes offloading sends each way,
+measured by ``offload/_auto_probe.py`` and carried across input sizes by
+``offload/_auto_fit.py``) :func:`predict_step` replays the schedule of ``# Note [release
+order]`` (one copy stream per direction, copies serialised on it, the compute stream
+waiting where the note says it waits) and :func:`choose` takes the longest prefix of
+layers whose predicted step stays within ``max_slowdown`` of the step without
+offloading. Prefixes, because the release rule keeps the last ``L - k`` groups
+resident: the first layers are the ones whose copies have the most compute to hide
+behind. Memory comes first: :func:`memory_floor` gives the fewest layers whose
+offloading keeps the step's predicted peak within the device memory, and :func:`choose`
+never offloads fewer. ``offload/_auto_policy.py`` holds the policy that measures,
+verifies and re-decides.
 
 Without an accelerator there is no overlap to measure and no device memory to save:
 "auto" then selects like "all" (every call but the last), so the CPU path runs the
@@ -24,7 +27,14 @@ from typing import Any
 from offload._measure import link_bandwidth
 from offload._plan import make_plan
 
-__all__ = ["AutoDecision", "LayerCost", "choose", "link_bandwidth", "predict_step"]
+__all__ = [
+    "AutoDecision",
+    "LayerCost",
+    "choose",
+    "link_bandwidth",
+    "memory_floor",
+    "predict_step",
+]
 
 
 #: Host seconds that offloading adds per copy (pack, release, reload, unpack, free in
@@ -60,7 +70,13 @@ class LayerCost:
 
 @dataclasses.dataclass
 class AutoDecision:
-    """What "auto" chose for one input shape, and why (JSON-ready via ``to_dict``)."""
+    """What "auto" chose for one input size, and why (JSON-ready via ``to_dict``).
+
+    ``time_offloaded``: the layers the link hides within ``max_slowdown`` (before any
+    back-off); ``memory_offloaded``: the fewest layers memory needs (0 when memory
+    needs none or is unknown); ``memory_reason``: set when memory forced more
+    offloading than the link hides; ``backoff``: layers taken off the link's choice
+    after a measured slowdown."""
 
     offloaded: list[int]
     num_groups: int
@@ -72,9 +88,36 @@ class AutoDecision:
     costs: list[LayerCost]
     reason: str
     gap_s: float = 0.0  # device seconds between the last layer's forward and its backward
+    time_offloaded: int = 0
+    memory_offloaded: int = 0
+    memory_reason: str | None = None
+    backoff: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def memory_floor(freed: Sequence[float], peak_all: float, limit: float) -> int:
+    """The fewest leading layers to offload so that the step's predicted peak stays
+    within ``limit`` bytes.
+
+    ``peak_all`` is the predicted peak with every call but the last offloaded (``"all"``)
+    and ``freed[i]`` the device bytes offloading call ``i`` frees: with the first ``k``
+    offloaded, calls ``k .. L-2`` keep theirs, so the peak is ``peak_all + sum(freed[k:L-1])``
+    (the release rule keeps every call that is not offloaded resident until its backward,
+    and the forward's end is where the most are). When even ``"all"`` is predicted not
+    to fit, that is ``L - 1``: nothing offloads more."""
+    L = len(freed)
+    if L <= 1:
+        return 0
+    kept = 0.0
+    # walk k down from L - 1: each step keeps one more call resident
+    for k in range(L - 1, -1, -1):
+        if k < L - 1:
+            kept += freed[k]
+        if peak_all + kept > limit:
+            return min(L - 1, k + 1)
+    return 0
 
 
 def predict_step(
@@ -136,10 +179,16 @@ def choose(
     max_slowdown: float,
     prefetch_layers: int | None = None,
     gap_s: float = 0.0,
+    *,
+    min_offloaded: int = 0,
+    backoff: int = 0,
+    memory_note: str = "",
 ) -> AutoDecision:
     """The longest prefix of layers (never the last) whose predicted step is within
     ``1 + max_slowdown`` of the step without offloading (``gap_s``: see
-    :func:`predict_step`; it counts in the step, so in what the slowdown is relative to)."""
+    :func:`predict_step`; it counts in the step, so in what the slowdown is relative to),
+    less ``backoff`` layers, and never fewer than ``min_offloaded`` (what memory needs:
+    :func:`memory_floor`; ``memory_note`` says why, for the reason)."""
     L = len(costs)
     base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
     limit = base * (1.0 + max_slowdown)
@@ -153,9 +202,29 @@ def choose(
         else:
             next_ratio = predicted / base if base else None
             break
+    time_k = best_k
+    floor = min(max(0, min_offloaded), max(0, L - 1))
+    k = max(floor, min(time_k, max(0, time_k - backoff)))
+    if k != best_k:
+        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
+        best_ratio = predicted / base if base else 1.0
+        if k + 1 < L:
+            after = predict_step(costs, range(k + 1), d2h_bps, h2d_bps, prefetch_layers, gap_s)
+            next_ratio = after / base if base else None
+        else:
+            next_ratio = None
+    best_k = k
     chosen = list(range(best_k))
     saved = sum(costs[i].nbytes for i in chosen)
-    if L <= 1:
+    memory_reason = None
+    if floor > max(0, time_k - backoff):
+        memory_reason = (
+            f"memory: offloading {best_k} of {L} layer calls, more than the "
+            f"{max(0, time_k - backoff)} the link hides within {max_slowdown:.0%}"
+            f"{': ' + memory_note if memory_note else ''} (predicted {best_ratio:.3f}x)"
+        )
+        reason = memory_reason
+    elif L <= 1:
         reason = "one layer call per forward: the last call is never offloaded"
     elif best_k == L - 1:
         reason = (
@@ -170,6 +239,8 @@ def choose(
                 f"; {best_k + 1} would predict {next_ratio:.3f}x, about {stall_ms:.1f} ms "
                 f"of stall per offloaded layer"
             )
+        if backoff and best_k < time_k:
+            extra += f"; {time_k - best_k} fewer than predicted after a measured slowdown"
         reason = (
             f"offloading {best_k} of {L} layer calls ({saved / 2**30:.2f} GiB): more would "
             f"exceed max_slowdown={max_slowdown:.0%}{extra}"
@@ -185,4 +256,8 @@ def choose(
         costs=list(costs),
         reason=reason,
         gap_s=gap_s,
+        time_offloaded=time_k,
+        memory_offloaded=floor,
+        memory_reason=memory_reason,
+        backoff=max(0, time_k - best_k),
     )

@@ -139,10 +139,29 @@ def legend(stats: OffloadStats) -> str:
     return LEGEND + (_LEGEND_TIMES if timed else "") + "."
 
 
+def _auto_text(auto: dict | None) -> str:
+    """``stats.auto`` in one sentence: the reason, the predicted and measured ratios
+    against no offloading, and the memory reason when memory forced more offloading."""
+    if not auto:
+        return ""
+    parts = [str(auto.get("reason", ""))]
+    ratios = []
+    if auto.get("predicted_ratio") is not None:
+        ratios.append(f"predicted {auto['predicted_ratio']:.3f}x")
+    if auto.get("measured_ratio") is not None:
+        ratios.append(f"measured {auto['measured_ratio']:.3f}x")
+    if ratios:
+        parts.append(", ".join(ratios) + " against no offloading")
+    memory = auto.get("memory_reason")
+    if memory and memory not in parts[0]:
+        parts.append(memory)
+    return "auto: " + "; ".join(p for p in parts if p) + ". "
+
+
 def stats_summary(stats: OffloadStats) -> str:
     """One line: sent, kept by reason (non-zero only), host pool."""
     kept = ", ".join(f"{k} {format_bytes(v)}" for k, v in stats.bytes_kept.items() if v)
-    auto = f"auto: {stats.auto['reason']}. " if stats.auto else ""
+    auto = _auto_text(stats.auto)
     packed = ""
     if stats.compress_bytes_before:
         packed = (

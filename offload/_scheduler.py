@@ -171,7 +171,6 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -263,14 +262,6 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (Step._count_se
 
 
 _tensors_in = _packing.tensors_requiring_grad
-
-
-def _elapsed(a: Any, b: Any) -> float:
-    """Seconds between two marks of :meth:`Step._mark`."""
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
 
 
 def _base_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -419,8 +410,6 @@ class _Group:
         "inputs_expected",
         "inputs_seen",
         "times",
-        "marks",
-        "candidates",
         "held",
         "phase",
         "deferred",
@@ -445,9 +434,8 @@ class _Group:
         self.closed = False
         self.inputs_expected = 0
         self.inputs_seen = 0
-        self.times: list[tuple[Any, ...]] | None = None  # timing records (timing=True)
-        self.marks: dict[str, Any] | None = None  # probe: f0/f1/b0/b1 time marks
-        self.candidates: dict[int, int] | None = None  # probe: storage -> bytes
+        #: timing records (timing=True, or a measuring forward's: offload/_auto_probe.py)
+        self.times: list[tuple[Any, ...]] | None = None
         #: manual mode: saves waiting for start_offload_layer: (weakref to the Held
         #: handle, span start, span end, base span or None, bytes counted not_selected)
         self.held: list[tuple[Any, int, int, tuple[int, int] | None, int]] = []
@@ -561,10 +549,12 @@ class Step:
         self.hooks: list[Any] = []
         self.awaiting = 0  # groups with copies whose backward has not ended yet
         self.buffers = ReloadBuffers(self.cfg.double_buffering)
-        #: a measuring forward of offload_layers="auto": nothing is offloaded, each group
-        #: records its compute times and the bytes it would offload (offload/_auto.py)
+        #: a measuring forward of offload_layers="auto": every group keeps the saved-
+        #: tensor hooks, and those not offloaded count the bytes they would send
         self.probe = False
-        self.candidate_owner: dict[int, int] = {}
+        #: offload_layers="auto"'s observer of this forward (offload/_auto_probe.py):
+        #: told when a group opens and closes, and (measuring) of each candidate save
+        self.watch: Any = None
         #: D2H copies not issued yet (Note [release order], 1): issued in small batches
         #: (one stream switch and one wait per batch) and always before a group closes
         self.d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
@@ -640,11 +630,8 @@ class Step:
                     handle.inner = self._place(t, group)
                 else:
                     group.stats.bytes_kept["not_selected"] += _nbytes(t)
-        if self.probe:
-            group.marks = {"f0": self._mark()}
-            group.candidates = {}
-            for t in _tensors_in(inputs, []):
-                self.hooks.append(t.register_hook(functools.partial(self._probe, group, "b1")))
+        if self.watch is not None:
+            self.watch.opened(self, group, inputs)
         if offload and inputs is not None:
             tensors = _tensors_in(inputs, [])
             group.inputs_expected = len(tensors)
@@ -673,15 +660,8 @@ class Step:
                 # [release order], "CUDA graphs")
                 self._release(group)
             index = group.index
-        if group.marks is not None:
-            group.marks["f1"] = self._mark()
-            tensors = _tensors_in(outputs, [])
-            if tensors:
-                self.hooks.append(
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, functools.partial(self._probe, group, "b0"), mode="any"
-                    )
-                )
+        if self.watch is not None:
+            self.watch.closed(self, group, outputs)
         if outputs is not None:
             self.register_trigger(index, outputs)
 
@@ -768,8 +748,8 @@ class Step:
             )
         if self.probe:
             raise RuntimeError(
-                "offload: offload_layers='auto' measures the first forward of each input "
-                "shape, and a CUDA graph capture cannot be measured; run two eager steps "
+                "offload: offload_layers='auto' measures the first forward of each kind "
+                "of input, and a CUDA graph capture cannot be measured; run two eager steps "
                 "with the capture's shapes first (the usual warm-up), or pass an explicit "
                 "offload_layers"
             )
@@ -927,13 +907,12 @@ class Step:
         if nbytes < self.min_tensor_bytes or nbytes == 0:
             return self._keep("small", group, t)
         if not group.offload:  # a measuring forward: count what would travel
-            key, total = storage._cdata, storage.nbytes()
-            owner = self.candidate_owner.setdefault(key, group.index)
-            if owner == group.index and group.candidates is not None:
-                size = total if 2 * nbytes >= total else nbytes
-                if self.compress and self._codec(t, 0, size) is not None:
-                    size = _compress.packed_nbytes(size // t.element_size())
-                group.candidates[key] = max(group.candidates.get(key, 0), size)
+            total = storage.nbytes()
+            size = total if 2 * nbytes >= total else nbytes
+            if self.compress and self._codec(t, 0, size) is not None:
+                size = _compress.packed_nbytes(size // t.element_size())
+            if self.watch is not None:
+                self.watch.count(group.index, storage._cdata, size)
             return self._keep("not_selected", group, t)
         if self.manual and group.phase == "saved":
             # the held alias will have no _base: take the base's span now
@@ -1542,59 +1521,6 @@ class Step:
                     # more; drop them once the copy that reads them is waited for
                     self._release(group)
                 self._drop(group)
-
-    # ---- measuring forwards (offload_layers="auto") ------------------------------------
-
-    def _mark(self) -> Any:
-        """A time mark: ``(device mark, host clock)``; the device mark is a CUDA event
-        recorded on the current stream, or the host clock again on the CPU path."""
-        now = time.perf_counter()
-        device = self.device
-        if device is not None and device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event, now
-        return now, now
-
-    def _probe(self, group: _Group, kind: str, _grad: Any) -> None:
-        """``b0``: the first output gradient arrived (the layer's backward starts);
-        ``b1``: an input gradient is complete (the last one marks the end)."""
-        if group.marks is not None and (kind == "b1" or kind not in group.marks):
-            group.marks[kind] = self._mark()
-            if kind == "b1" and all(g.marks and "b1" in g.marks for g in self.groups):
-                self._backward_over()  # every layer's backward ended: hooks can go
-
-    def probe_costs(self) -> list[tuple[float, float, int, float, float, int]] | None:
-        """Per group of a measuring forward: ``(forward s, backward s, bytes, host
-        forward s, host backward s, copies)``: device times, the bytes and number of
-        copies offloading would make, and the host time spent issuing the layer (a
-        launch-bound layer is limited by it). ``None`` while its backward has not run.
-        Waits on the host for the marks."""
-        out = []
-        for g in self.groups:
-            m = g.marks or {}
-            if "f0" not in m or "f1" not in m or "b0" not in m:
-                return None
-            fwd = _elapsed(m["f0"][0], m["f1"][0])
-            host_fwd = m["f1"][1] - m["f0"][1]
-            if "b1" in m:
-                bwd = _elapsed(m["b0"][0], m["b1"][0])
-                host_bwd = m["b1"][1] - m["b0"][1]
-            else:  # the layer's inputs need no gradient: no end mark
-                bwd, host_bwd = 2.0 * fwd, 2.0 * host_fwd
-            cands = g.candidates or {}
-            out.append((fwd, bwd, sum(cands.values()), host_fwd, host_bwd, len(cands)))
-        return out or None
-
-    def probe_gap(self) -> float:
-        """Device seconds between the last layer's forward end and its backward start
-        in a measuring forward (the head, the loss and their backward); 0 if unknown."""
-        if not self.groups:
-            return 0.0
-        m = self.groups[-1].marks or {}
-        if "f1" not in m or "b0" not in m:
-            return 0.0
-        return max(0.0, _elapsed(m["f1"][0], m["b0"][0]))
 
     # ---- stats -----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from offload import _device, _dynamo, _packing
+from offload._auto_policy import AutoPolicy
 from offload._diagnose import CallOrder, saved_elsewhere
 from offload._handles import unpack_hook
 from offload._plan import Schedule, check_selection, plan_forward
@@ -79,11 +80,16 @@ class ActivationOffloader:
         layers: the repeated blocks, in call order (e.g. ``model.layers`` or
             :func:`offload.find_layers`). Each call of one of them is a group.
         offload_layers: which groups are offloaded. ``"auto"`` (default): the first
-            forward of each input signature offloads nothing and measures every layer
-            (device and host time, bytes) and the link; later forwards offload the
-            longest prefix of layers whose predicted step stays within
-            ``max_slowdown``; ``stats.auto`` says what was chosen and why. Without an
-            accelerator ``"auto"`` selects like ``"all"``. ``"all"`` or ``None``: all
+            forward of each kind of input offloads like ``"all"`` (never more device
+            memory) and measures every layer (device and host time, bytes); later
+            forwards offload the longest prefix of layers whose predicted step stays
+            within ``max_slowdown``, and never fewer than the free device memory
+            needs; sizes not measured (a new sequence length) are predicted from those
+            measured. The choice is verified against steps without offloading, in
+            alternation, while memory allows them, and one layer comes off at a time
+            while the measured ratio exceeds ``1 + max_slowdown``. ``stats.auto`` says
+            what was chosen and why (predicted and measured ratios, the memory reason).
+            Without an accelerator ``"auto"`` selects like ``"all"``. ``"all"`` or ``None``: all
             but the last; ``int`` n: the first n; a sequence of indices; or
             ``callable(index, module) -> bool`` (its signature is checked here).
         min_tensor_bytes: tensors whose copied bytes are fewer stay on the device.
@@ -260,7 +266,7 @@ class ActivationOffloader:
         # (no hooks), and only counts its entries.
         self._disabled = False
         self._disabled_entries = 0
-        self._auto = _Auto() if config.offload_layers == "auto" else None
+        self._auto = AutoPolicy() if config.offload_layers == "auto" else None
 
     # ---- the context ----------------------------------------------------------------
 
@@ -651,73 +657,6 @@ class ActivationOffloader:
             handle = ref()
             if handle is not None:
                 handle.remove()
-
-
-class _Auto:
-    """The state of ``offload_layers="auto"`` for one offloader (offload/_auto.py says
-    how it decides): one decision per input signature, made from a measuring forward."""
-
-    def __init__(self) -> None:
-        self.decisions: dict[Any, Any] = {}
-        self.probes: dict[Any, Step] = {}
-        #: measure and decide on the CPU path too (tests inject timings this way)
-        self.measure_on_cpu = False
-
-    @staticmethod
-    def signature(inputs: Any) -> tuple[Any, ...]:
-        """Shapes and dtypes of the first layer's tensor arguments (one level deep)."""
-        args, kwargs = inputs
-        out = []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                out.append((tuple(value.shape), value.dtype, value.device))
-        return tuple(out)
-
-    def prepare(self, off: ActivationOffloader, step: Step, inputs: Any) -> None:
-        """Before the first group of ``step`` opens: give it the plan decided for these
-        inputs, or make it a measuring forward."""
-        from offload import _auto
-
-        key = self.signature(inputs)
-        devices = [d for _, _, d in key]
-        device = devices[0] if devices else None
-        if device is None or (device.type != "cuda" and not self.measure_on_cpu):
-            step.stats.auto = {
-                "reason": "no accelerator: there is no overlap to measure and no device "
-                "memory to save; 'auto' selects like 'all' (every call but the last)"
-            }
-            return
-        decision = self.decisions.get(key)
-        if decision is None:
-            probe = self.probes.get(key)
-            costs = probe.probe_costs() if probe is not None else None
-            if costs is not None:
-                d2h, h2d = _auto.link_bandwidth(device)
-                decision = _auto.choose(
-                    [_auto.LayerCost(*c) for c in costs],
-                    d2h,
-                    h2d,
-                    off.config.max_slowdown,
-                    off.config.prefetch_layers,
-                    probe.probe_gap(),
-                )
-                self.decisions[key] = decision
-                del self.probes[key]
-        if decision is None:  # measure this forward: nothing offloaded
-            step.plan = plan_forward([], off._calls, off.config.prefetch_layers)
-            step.probe = True
-            step.device, step.backend = device, off._runtime.backend(device)
-            self.probes[key] = step
-            step.stats.auto = {
-                "reason": "measuring: the first forward of these input shapes offloads "
-                "nothing and times every layer; the next one offloads what the link hides"
-            }
-            return
-        calls = off._calls
-        if len(calls) != decision.num_groups:
-            calls = [None] * decision.num_groups
-        step.plan = plan_forward(tuple(decision.offloaded), calls, off.config.prefetch_layers)
-        step.stats.auto = decision.to_dict()
 
 
 class no_offload(contextlib.ContextDecorator):

@@ -33,9 +33,12 @@ class OffloadConfig:
 
     Args:
         offload_layers: which layer calls (groups) are offloaded. ``"auto"`` (default):
-            measure the first forward of each input shape (nothing offloaded) and then
-            offload the longest prefix of layers whose copies the link hides within
-            ``max_slowdown``; on a machine without an accelerator, like ``"all"``.
+            measure the first forward of each kind of input while offloading like
+            ``"all"``, then offload the longest prefix of layers whose copies the link
+            hides within ``max_slowdown`` (verified against steps without offloading
+            while memory allows them), never fewer than the free device memory needs;
+            new sequence lengths are predicted from those measured; on a machine
+            without an accelerator, like ``"all"``.
             ``"all"`` or ``None``: all but the last. An ``int`` n: the first n; a
             sequence of ``int`` selects by index; a ``callable(index, module) -> bool``
             decides per call.

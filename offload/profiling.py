@@ -104,8 +104,15 @@ class OffloadStats:
         host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
         host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
         auto: with ``offload_layers="auto"``, what was chosen for this forward and why
-            (``"reason"``: one sentence; after a decision also ``"offloaded"``,
-            ``"predicted_ratio"``, the measured ``"costs"`` and link GB/s); else ``None``.
+            (``"reason"``: one sentence; ``"step"``: ``"probe"`` (a measuring forward),
+            ``"plan"`` (the choice) or ``"none"`` (nothing offloaded: a verifying step,
+            or nothing hides); ``"phase"``: ``"measure"``, ``"verify"`` or
+            ``"settled"``; after a decision also ``"offloaded"`` (this step),
+            ``"chosen"``, ``"predicted_ratio"``, ``"measured_ratio"`` (against steps
+            without offloading), ``"memory_reason"`` (when memory forced more
+            offloading than the link hides), ``"memory"`` (limit, predicted peaks, the
+            fewest layers memory needs), ``"scale"``, the ``"costs"`` and link GB/s);
+            else ``None``.
     """
 
     bytes_offloaded: int = 0

@@ -3,16 +3,20 @@ when shapes change, gradients unchanged (CPU path, with injected timings)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import offload
-from offload import _auto
 from offload._auto import LayerCost, choose, predict_step
-from offload._scheduler import Step
 from tests import models
+from tests.auto_fake import FakeMeter, one_thread  # noqa: F401  (fixture)
 from tests.models import assert_same, step, twin
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 GB = 1e9
 W = 50 * GB  # bytes per second each way
@@ -76,66 +80,80 @@ def test_cpu_path_auto_selects_like_all() -> None:
     assert "no accelerator" in stats.auto["reason"]
 
 
-def _inject(monkeypatch, per_shape):
-    """Probe costs from a function of the forward's input length; bandwidth W."""
-    monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (W, W))
+def _fake(per_size, link_s_per_layer: float, gap=lambda n: 0.0) -> FakeMeter:
+    """A meter whose layers cost ``per_size(tokens, n_layers)`` and whose link takes
+    about ``link_s_per_layer`` for one layer's real bytes at 32 tokens."""
+    bps = _layer_bytes(32) / link_s_per_layer
+    return FakeMeter(lambda n: per_size(n, 4), bps, gap=gap)
 
-    def probe_costs(self):
-        if not all(g.marks and "b0" in g.marks for g in self.groups):
-            return None
-        seq = self.probe_seq
-        return [(c.forward_s, c.backward_s, c.nbytes) for c in per_shape(seq, len(self.groups))]
 
-    monkeypatch.setattr(Step, "probe_costs", probe_costs)
+def _layer_bytes(tokens: int) -> float:
+    """What one LlamaBlock(64) layer of these tests sends at ``tokens`` (batch 2)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(2))
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=1024)
+    step(layers, torch.randn(2, tokens // 2, 64), models.run_plain, off)
+    off.close()
+    return float(off.stats.layers[0].bytes_offloaded)
 
 
 @pytest.mark.parametrize(
-    ("fwd_ms", "nbytes", "expected"),
-    [(10.0, 1e6, [0, 1, 2]), (0.01, 5e9, []), (3.3, 100e6, [0, 1, 2])],
+    ("fwd_ms", "link_ms"),
+    [(10.0, 0.02), (0.01, 100.0), (3.3, 2.0)],
 )
-def test_auto_measures_then_offloads_and_stays_bitwise_equal(
-    monkeypatch, fwd_ms, nbytes, expected
-) -> None:
-    _inject(monkeypatch, lambda seq, n: costs(fwd_ms, nbytes, n))
+def test_auto_measures_then_offloads_and_stays_bitwise_equal(fwd_ms, link_ms) -> None:
+    meter = _fake(lambda n, L: costs(fwd_ms, 0, L), link_ms / 1e3)
     torch.manual_seed(0)
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
-    off._auto.measure_on_cpu = True
+    off._auto.meter = meter
     x = torch.randn(2, 16, 64)
-    for it in range(3):
-        monkeypatch.setattr(Step, "probe_seq", 16, raising=False)
+    expected = None
+    for it in range(4):
         got = step(layers, x + it, models.run_plain, off)
         assert_same(got, step(ref, x + it, models.run_plain))
+        auto = off.stats.auto
         chosen = [la.index for la in off.stats.layers if la.offloaded]
-        if it == 0:  # the measuring forward offloads nothing
-            assert chosen == [] and "measuring" in off.stats.auto["reason"]
-            assert off.stats.bytes_offloaded == 0
-        else:
-            assert chosen == expected, (it, off.stats.auto)
-            assert off.stats.auto["offloaded"] == expected
-            assert (off.stats.bytes_offloaded > 0) == bool(expected)
+        if it == 0:  # the measuring forward offloads like "all"
+            assert chosen == [0, 1, 2] and "measuring" in auto["reason"]
+            assert off.stats.bytes_offloaded > 0
+            continue
+        # the choice the true costs give, with the bytes the measuring forward saw
+        true = [
+            dataclasses.replace(c, nbytes=b["nbytes"], copies=b["copies"])
+            for c, b in zip(costs(fwd_ms, 0, 4), auto["costs"])
+        ]
+        expected = choose(true, meter.bps, meter.bps, 0.03).offloaded
+        assert auto["chosen"] == expected, (it, auto)
+        assert chosen == auto["offloaded"]
+        assert chosen in (expected, [])  # [] only in a verifying step without offloading
+        assert (chosen == []) == (auto["step"] == "none" or not expected)
+        assert (off.stats.bytes_offloaded > 0) == bool(chosen)
+    assert expected is not None
 
 
-def test_auto_replans_when_the_shape_changes(monkeypatch) -> None:
-    # short sequences: link-bound (nothing hides); long ones: compute-bound
-    def per_shape(seq, n):
-        return costs(0.01, 5e9, n) if seq == 16 else costs(50.0, 1e6, n)
+def test_auto_replans_when_the_size_changes() -> None:
+    # attention-bound layers: compute grows with tokens * length, bytes with tokens, so
+    # short sequences are link-bound (nothing hides) and long ones compute-bound
+    def per_size(n, L):
+        q = n * (n // 2)
+        return [LayerCost(4e-7 * q, 8e-7 * q, 0) for _ in range(L)]
 
-    _inject(monkeypatch, per_shape)
+    meter = _fake(per_size, 1e-3)
     torch.manual_seed(0)
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
-    off._auto.measure_on_cpu = True
-    seen = []
-    for seq in (16, 16, 32, 32, 16):
-        monkeypatch.setattr(Step, "probe_seq", seq, raising=False)
+    off._auto.meter = meter
+    seen = {}
+    for seq in (16, 16, 128, 128, 128, 16, 16, 16, 128, 16):
         x = torch.randn(2, seq, 64)
         assert_same(step(layers, x, models.run_plain, off), step(ref, x, models.run_plain))
-        seen.append([la.index for la in off.stats.layers if la.offloaded])
-    assert seen == [[], [], [], [0, 1, 2], []]
-    assert len(off._auto.decisions) == 2
+        seen[seq] = off.stats.auto["chosen"] if "chosen" in off.stats.auto else None
+    assert seen[16] == [] and seen[128] == [0, 1, 2], seen
+    assert len(off._auto.families) == 1  # one kind of input, two sizes
+    assert {p.tokens for p in next(iter(off._auto.families.values())).model.points} == {32, 256}
 
 
 def test_launch_bound_layers_count_the_hosts_extra_work() -> None:

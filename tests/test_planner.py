@@ -651,17 +651,17 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     """``offload.plan``'s own logic on the CPU: the measuring configurations in order,
     the fit, the search and the verification, with device times and peaks injected
     (the GPU run of the same path is tests/test_planner_cuda.py)."""
-    from offload import _auto, activations
+    from offload import _auto, _auto_policy
 
     monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
-    real_init = activations._Auto.__init__
+    real_init = _auto_policy.AutoPolicy.__init__
 
     def measuring_init(self):
         real_init(self)
         self.measure_on_cpu = True
 
-    monkeypatch.setattr(activations._Auto, "__init__", measuring_init)
+    monkeypatch.setattr(_auto_policy.AutoPolicy, "__init__", measuring_init)
     peaks = iter([1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 30)
     runs = []
 

@@ -1,0 +1,280 @@
+"""One kind of input under ``offload_layers="auto"`` (``offload/_auto_policy.py``): its
+measured sizes, the scale real steps put on the measured costs, and the verification of
+its choice against steps without offloading (:class:`Phase`).
+
+A verification round alternates :data:`VERIFY_STEPS` steps without offloading with as
+many of the choice; their step times, carried between sizes by the prediction's ratio
+between them, give the measured ratio. Above ``1 + max_slowdown`` one layer comes off
+(``backoff``) and a round of the new choice follows; within it, the choice is settled
+and the median ratio of its last :data:`WATCH_STEPS` timed steps is watched: past the
+limit, a fresh round (new steps without offloading) starts. A choice memory forces is
+never backed off.
+
+The scale: a step at a measured size (or inside a fit of three sizes or more) that
+takes a different share of its prediction moves the scale (the median share, kept
+per kind of step), which multiplies every predicted compute time; a step at a size
+only extrapolated to that is off by more than :data:`PREDICTION_TOLERANCE` means the
+prediction was wrong there: the next step measures again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import statistics
+from typing import Any
+
+from offload import _auto
+from offload._auto_fit import Estimate, ShapeModel
+from offload._auto_probe import DeviceMemory, StepWatch
+
+__all__ = [
+    "PREDICTION_TOLERANCE",
+    "RESCALE",
+    "RESIDUALS",
+    "VERIFY_STEPS",
+    "WATCH_STEPS",
+    "Family",
+    "Memory",
+    "Phase",
+    "Run",
+    "Sized",
+    "StepRecord",
+    "base_seconds",
+]
+
+#: Steps without offloading, and steps with the choice, per verification round.
+VERIFY_STEPS = 3
+#: Steps of the choice whose median ratio is watched once settled.
+WATCH_STEPS = 5
+#: Measured/predicted step-time ratios kept per kind of step (their median scales the
+#: predicted compute).
+RESIDUALS = 8
+#: A step's measured/predicted ratio this far from the median of those before it means
+#: the prediction for its size was wrong: the next step is measured again.
+PREDICTION_TOLERANCE = 0.10
+#: A change of the scale by more than this re-decides and verifies again.
+RESCALE = 0.05
+
+
+class Phase(enum.Enum):
+    """Where one kind of input stands (module docstring)."""
+
+    MEASURE = "measure"
+    VERIFY = "verify"
+    SETTLED = "settled"
+
+
+class Run(enum.Enum):
+    """What one step runs: a measuring forward, the choice, or nothing offloaded."""
+
+    PROBE = "probe"
+    PLAN = "plan"
+    NONE = "none"
+
+
+@dataclasses.dataclass
+class Memory:
+    """The memory side of one decision, in bytes: the limit less the margin,
+    the predicted peak with ``"all"`` and with the choice, whether a step without
+    offloading fits, and the fewest layers memory needs."""
+
+    limit: float
+    peak_all: float
+    peak: float
+    none_fits: bool
+    floor: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Sized:
+    """What one size needs per step, kept while the model's points do not change: its
+    costs, the device bytes calls ``k..L-2`` keep resident (``kept[k]``), the unscaled
+    predicted step time per number of offloaded layers, and the last decision with
+    what it depended on (``stamp``) and its JSON-ready form."""
+
+    version: int
+    est: Estimate
+    kept: list[float]
+    predicted: dict[int, float] = dataclasses.field(default_factory=dict)
+    stamp: Any = None
+    decision: _auto.AutoDecision | None = None
+    stats: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step, from its start until its time is read."""
+
+    family: Family
+    tokens: int
+    quad: int
+    run: Run
+    offloaded: int
+    forced: bool
+    exact: bool
+    generation: int
+    predicted_s: float | None  # unscaled prediction of the step's time
+    predicted_peak: float | None
+    start_memory: DeviceMemory | None
+    cold: bool = False
+    watch: StepWatch | None = None
+    age: int = 0
+
+
+class Family:
+    """One kind of input: its measured sizes, scale, verification state and back-off."""
+
+    def __init__(self) -> None:
+        self.model: ShapeModel | None = None
+        self.phase = Phase.MEASURE
+        self.scale = 1.0
+        self.residuals: dict[Run, collections.deque[float]] = {
+            Run.NONE: collections.deque(maxlen=RESIDUALS),
+            Run.PLAN: collections.deque(maxlen=RESIDUALS),
+        }
+        self.generation = 0
+        self.backoff = 0
+        #: steps without offloading: (tokens, quad, seconds); in flight: not read yet
+        self.none: collections.deque[tuple[int, int, float]] = collections.deque(
+            maxlen=VERIFY_STEPS
+        )
+        self.none_in_flight = 0
+        #: steps of the choice this generation: (tokens, quad, seconds, forced)
+        self.plan: collections.deque[tuple[int, int, float, bool]] = collections.deque(
+            maxlen=WATCH_STEPS
+        )
+        self.last_run: Run | None = None
+        self.tick = 0  # steps prepared
+        self.reprobe = False
+        self.probing = False
+        self.measured_ratio: float | None = None
+        self.memory_excess = 0.0
+        self.blocked = 0
+        self.note = ""
+        self.sizes: collections.OrderedDict[tuple[int, int], Sized] = collections.OrderedDict()
+
+    def new_generation(self, note: str = "") -> None:
+        """The choice changed (back-off, scale): its samples start again, and a settled
+        choice is verified again (the steps without offloading are kept)."""
+        self.generation += 1
+        self.plan.clear()
+        if self.phase is Phase.SETTLED:
+            self.phase = Phase.VERIFY
+        if note:
+            self.note = note
+
+    def settle(self, note: str) -> None:
+        self.phase = Phase.SETTLED
+        self.note = note
+
+    def none_at(self, tokens: int, quad: int) -> float | None:
+        """The step time without offloading at a size: the measured ones, carried to it
+        by the prediction's ratio between sizes."""
+        if not self.none or self.model is None:
+            return None
+        ratios = []
+        for n, q, t in self.none:
+            p = self.base(n, q)
+            if p > 0:
+                ratios.append(t / p)
+        if not ratios:
+            return None
+        return self.base(tokens, quad) * statistics.median(ratios)
+
+    def base(self, tokens: int, quad: int) -> float:
+        """The unscaled predicted step time without offloading at a size."""
+        sized = self.sizes.get((tokens, quad))
+        if sized is not None and sized.version == self.model.version:  # type: ignore[union-attr]
+            got = sized.predicted.get(0)
+            if got is None:
+                got = sized.predicted[0] = base_seconds(sized.est)
+            return got
+        return base_seconds(self.model.predict(tokens, quad))  # type: ignore[union-attr]
+
+    def ratio(self, samples: list[tuple[int, int, float, bool]]) -> float | None:
+        out = []
+        for n, q, t, _ in samples:
+            none = self.none_at(n, q)
+            if none:
+                out.append(t / none)
+        return statistics.median(out) if out else None
+
+    def evaluate(self, max_slowdown: float) -> None:
+        """After a step's time was read: finish a verification round or watch."""
+        limit = 1.0 + max_slowdown
+        samples = list(self.plan)
+        if self.phase is Phase.VERIFY:
+            if len(self.none) < VERIFY_STEPS or len(samples) < VERIFY_STEPS:
+                return
+            m = self.ratio(samples[-VERIFY_STEPS:])
+            self.measured_ratio = m
+            if m is None:
+                return
+            if m > limit and not all(s[3] for s in samples):
+                self.backoff += 1
+                self.new_generation(
+                    f"measured {m:.3f}x against steps without offloading: one layer less"
+                )
+            elif m > limit:
+                self.settle(f"measured {m:.3f}x; memory allows no fewer layers")
+            else:
+                self.settle(f"verified: {m:.3f}x against steps without offloading")
+        elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
+            m = self.ratio(samples)
+            self.measured_ratio = m
+            if m is not None and m > limit and not all(s[3] for s in samples):
+                self.phase = Phase.VERIFY
+                self.none.clear()
+                self.plan.clear()
+                self.note = f"the measured ratio drifted to {m:.3f}x: verifying again"
+
+    def observe(
+        self,
+        record: StepRecord,
+        seconds: float,
+        end: DeviceMemory | None,
+        max_slowdown: float,
+    ) -> None:
+        """A timed step of this kind completed: memory, scale, prediction check,
+        verification."""
+        run = record.run
+        if run is Run.NONE:
+            self.none_in_flight = max(0, self.none_in_flight - 1)
+        start = record.start_memory
+        if (
+            start is not None
+            and end is not None
+            and end.peak > start.peak
+            and record.predicted_peak is not None
+        ):
+            self.memory_excess = max(self.memory_excess, end.peak - record.predicted_peak)
+        if self.model is None or not record.predicted_s:
+            return
+        rho = seconds / record.predicted_s
+        if record.exact or self.model.covers(record.tokens, record.quad):
+            # a size measured, or inside a fit of enough sizes: what the step took beyond
+            # the prediction is the instrumentation's (and the first step's) share
+            self.residuals[run].append(rho)
+            scale = statistics.median(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
+            if abs(scale / self.scale - 1.0) > RESCALE:
+                self.scale = scale
+                self.new_generation()
+                if run is Run.PLAN:
+                    return  # measured with the old scale's choice
+        elif abs(rho / self.scale - 1.0) > PREDICTION_TOLERANCE:
+            self.reprobe = True  # the prediction for this size proved wrong
+        if run is Run.NONE:
+            self.none.append((record.tokens, record.quad, seconds))
+        elif record.generation == self.generation:
+            self.plan.append((record.tokens, record.quad, seconds, record.forced))
+        self.evaluate(max_slowdown)
+
+
+def base_seconds(est: Estimate) -> float:
+    """The predicted seconds of a step without offloading."""
+    return sum(c.forward(False) + c.backward(False) for c in est.costs) + est.gap_s

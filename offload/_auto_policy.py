@@ -1,0 +1,513 @@
+"""The policy of ``offload_layers="auto"``: measure, decide, verify, re-decide.
+
+Per kind of input (a :class:`Family`, ``offload/_auto_family.py``: the first layer
+call's tensor ranks, dtypes and devices, and the hidden size; sizes may change within
+one) the policy moves through :class:`Phase`:
+
+``MEASURE``
+    Nothing measured yet. The step runs ``"all"`` (every call but the last offloaded:
+    never more device memory than ``"all"``) as a measuring forward
+    (``offload/_auto_probe.py``).
+``VERIFY``
+    Decided. Each step's plan is the longest prefix the link hides (``offload/_auto.py``)
+    from the costs at its size (measured, or predicted by ``offload/_auto_fit.py``),
+    scaled by what real steps measured against the prediction (the measuring forward's
+    instrumentation, and the process's first step, cost time a real step does not
+    spend), and never fewer layers than the device memory needs
+    (:func:`offload._auto.memory_floor`; the memory reason is recorded). Steps without
+    offloading alternate with the chosen ones while memory allows them; when the
+    measured ratio exceeds ``1 + max_slowdown``, one layer comes off and the round
+    repeats.
+``SETTLED``
+    Verified, or forced by memory, or unverifiable (memory never allows a step without
+    offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
+    limit, a fresh round of ``VERIFY`` starts.
+
+The first measurement of an offloader is its first step (the allocator and the kernels
+warm up in it): the next step measures again at its own plan. A size predicted, not
+measured, whose step proves the prediction wrong is measured again at the next step.
+State is bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload._auto_fit.MAX_POINTS`
+sizes each, :data:`MAX_DECISIONS` sizes' decisions, :data:`MAX_PENDING` steps whose times
+are not read yet, bounded sample queues.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+from offload import _auto
+from offload._auto_family import (
+    PREDICTION_TOLERANCE,
+    RESCALE,
+    RESIDUALS,
+    VERIFY_STEPS,
+    WATCH_STEPS,
+    Family,
+    Memory,
+    Phase,
+    Run,
+    Sized,
+    StepRecord,
+)
+from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes
+from offload._auto_probe import DeviceMemory, Meter, Probe, StepWatch, meter_for
+from offload._plan import plan_forward
+
+__all__ = [
+    "MAX_DECISIONS",
+    "MAX_FAMILIES",
+    "MAX_PENDING",
+    "MEMORY_MARGIN",
+    "PREDICTION_TOLERANCE",
+    "RESCALE",
+    "RESIDUALS",
+    "VERIFY_STEPS",
+    "WATCH_EVERY",
+    "WATCH_STEPS",
+    "AutoPolicy",
+    "Family",
+    "Phase",
+    "Run",
+]
+
+#: Once settled, one step in this many is timed.
+WATCH_EVERY = 4
+#: Share of the device memory limit kept free (fragmentation, what the model misses).
+MEMORY_MARGIN = 0.05
+#: Kinds of input remembered, least recently used dropped first.
+MAX_FAMILIES = 8
+#: Decisions cached per kind of input (sizes).
+MAX_DECISIONS = 16
+#: Steps whose times have not been read yet; older ones are dropped unread.
+MAX_PENDING = 8
+
+_NO_ACCELERATOR = {
+    "reason": "no accelerator: there is no overlap to measure and no device memory to "
+    "save; 'auto' selects like 'all' (every call but the last)"
+}
+
+
+def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
+    costs = [
+        dataclasses.replace(
+            c,
+            forward_s=c.forward_s * s,
+            backward_s=c.backward_s * s,
+            host_forward_s=c.host_forward_s * s,
+            host_backward_s=c.host_backward_s * s,
+        )
+        for c in est.costs
+    ]
+    return costs, est.gap_s * s
+
+
+def describe(inputs: Any) -> tuple[Any, int, int, torch.device] | None:
+    """``(family key, tokens, quad, device)`` of the first layer call's inputs; ``None``
+    when they hold no tensor."""
+    args, kwargs = inputs
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return None
+    first = tensors[0]
+    key = (
+        tuple((t.dim(), t.dtype, t.device) for t in tensors),
+        int(first.shape[-1]) if first.dim() else 0,
+    )
+    n, q = sizes(tuple(first.shape))
+    return key, n, q, first.device
+
+
+class AutoPolicy:
+    """``offload_layers="auto"`` for one offloader (module docstring).
+
+    ``meter``: how it measures (``None``: CUDA events and the caching allocator on a
+    CUDA device, nothing elsewhere); ``measure_on_cpu = True`` measures with the host
+    clock on the CPU path, and tests set a meter of their own."""
+
+    def __init__(self) -> None:
+        self.families: collections.OrderedDict[Any, Family] = collections.OrderedDict()
+        self.pending: collections.deque[StepRecord] = collections.deque()
+        self.meter: Meter | None = None
+        self._cold = True  # no step of this offloader measured yet
+
+    @property
+    def measure_on_cpu(self) -> bool:
+        return self.meter is not None
+
+    @measure_on_cpu.setter
+    def measure_on_cpu(self, value: bool) -> None:
+        self.meter = Meter() if value else None
+
+    def state_size(self) -> dict[str, int]:
+        """How much the policy remembers (bounded: module docstring)."""
+        fams = list(self.families.values())
+        return {
+            "families": len(fams),
+            "points": sum(len(f.model.points) for f in fams if f.model is not None),
+            "decisions": sum(len(f.sizes) for f in fams),
+            "pending": len(self.pending),
+            "samples": sum(len(f.none) + len(f.plan) for f in fams),
+        }
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def prepare(self, off: Any, step: Any, inputs: Any) -> None:
+        """Before the first layer call of ``step``: give it its plan and its watch."""
+        described = describe(inputs)
+        if described is None:
+            step.stats.auto = dict(_NO_ACCELERATOR)
+            return
+        key, tokens, quad, device = described
+        meter = self.meter if self.meter is not None else meter_for(device)
+        if meter is None:
+            step.stats.auto = dict(_NO_ACCELERATOR)
+            return
+        cfg = off.config
+        self._collect(cfg.max_slowdown)
+        fam = self.families.get(key)
+        if fam is None:
+            fam = self.families[key] = Family()
+            while len(self.families) > MAX_FAMILIES:
+                self.families.popitem(last=False)
+        self.families.move_to_end(key)
+        memory = None if step.capture else meter.memory(device)
+        if fam.model is None:
+            self._measure_all(off, step, fam, meter, device, tokens, quad, memory)
+            return
+        sized = self._sized(fam, tokens, quad)
+        est = sized.est
+        decision, mem, stats = self._decide(fam, sized, memory, meter, device, cfg)
+        chosen = len(decision.offloaded)
+        if step.capture:  # a captured step is neither timed nor verified
+            run = Run.PLAN if chosen else Run.NONE
+        else:
+            run = self._next_run(fam, decision, mem)
+        k = 0 if run is Run.NONE else chosen
+        L = fam.model.num_groups
+        calls = off._calls if len(off._calls) == L else [None] * L
+        step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers)
+        fam.last_run = run
+        # measured again at the step's own plan (never a verifying step's)
+        probe = not step.capture and fam.reprobe and not fam.probing and k == chosen
+        # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
+        fam.tick += 1
+        watched = not step.capture and (
+            probe or fam.phase is not Phase.SETTLED or fam.tick % WATCH_EVERY == 0
+        )
+        if probe:
+            fam.reprobe = False
+        elif run is Run.NONE and watched:
+            fam.none_in_flight += 1
+        d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
+        record = StepRecord(
+            family=fam,
+            tokens=tokens,
+            quad=quad,
+            run=Run.PROBE if probe else run,
+            offloaded=k,
+            forced=decision.memory_reason is not None,
+            exact=est.exact,
+            generation=fam.generation,
+            predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
+            predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
+            start_memory=memory,
+        )
+        if watched:
+            # the step's peak is read at its end where memory binds (the model's error)
+            tight = mem is not None and (mem.floor > 0 or mem.peak > 0.8 * mem.limit)
+            self._watch(off, step, record, meter, device, probe, tight)
+        out = dict(stats)
+        out.update(self._step_stats(fam, record, decision, est, mem))
+        step.stats.auto = out
+
+    def _measure_all(
+        self,
+        off: Any,
+        step: Any,
+        fam: Family,
+        meter: Meter,
+        device: torch.device,
+        tokens: int,
+        quad: int,
+        memory: DeviceMemory | None,
+    ) -> None:
+        """Nothing measured for this kind of input: offload like ``"all"``, measuring
+        (unless a measuring forward is still waiting for its backward)."""
+        step.plan = plan_forward("all", off._calls, off.config.prefetch_layers)
+        offloaded = sorted(step.plan.offloaded)
+        if fam.probing:
+            step.stats.auto = {
+                "phase": fam.phase.value,
+                "step": Run.PLAN.value,
+                "offloaded": offloaded,
+                "reason": "waiting for the measuring forward's backward: offloading like "
+                "'all' (every call but the last) until then",
+                "state": self.state_size(),
+            }
+            return
+        record = StepRecord(
+            family=fam,
+            tokens=tokens,
+            quad=quad,
+            run=Run.PROBE,
+            offloaded=len(offloaded),
+            forced=False,
+            exact=False,
+            generation=fam.generation,
+            predicted_s=None,
+            predicted_peak=None,
+            start_memory=memory,
+            cold=self._cold,
+        )
+        self._watch(off, step, record, meter, device, True)
+        step.stats.auto = {
+            "phase": fam.phase.value,
+            "step": Run.PROBE.value,
+            "offloaded": offloaded,
+            "tokens": tokens,
+            "reason": "measuring: the first forward of these inputs offloads like 'all' "
+            "(every call but the last: no more device memory than 'all') and times every "
+            "layer with its copies in flight; later forwards offload what the link hides "
+            "and what memory needs",
+            "state": self.state_size(),
+        }
+
+    def _watch(
+        self,
+        off: Any,
+        step: Any,
+        record: StepRecord,
+        meter: Meter,
+        device: torch.device,
+        probe: bool,
+        memory: bool = True,
+    ) -> None:
+        watch = (Probe if probe else StepWatch)(meter, device, record, memory or probe)
+        record.watch = watch
+        step.watch = watch
+        if probe:
+            step.probe = True
+            step.device, step.backend = device, off._runtime.backend(device)
+            record.family.probing = True
+        self._cold = False
+        meter.begin(record)
+        self.pending.append(record)
+        while len(self.pending) > MAX_PENDING:
+            self._drop(self.pending.popleft())
+
+    # ---- deciding ----------------------------------------------------------------------
+
+    def _sized(self, fam: Family, tokens: int, quad: int) -> Sized:
+        """The costs at one size (cached per size while the points do not change)."""
+        model = fam.model
+        sized = fam.sizes.get((tokens, quad))
+        if sized is None or sized.version != model.version:  # type: ignore[union-attr]
+            est = model.predict(tokens, quad)  # type: ignore[union-attr]
+            L = len(est.freed)
+            kept = [0.0] * L
+            for k in range(L - 2, -1, -1):
+                kept[k] = kept[k + 1] + est.freed[k]
+            sized = fam.sizes[(tokens, quad)] = Sized(model.version, est, kept)  # type: ignore[union-attr]
+            while len(fam.sizes) > MAX_DECISIONS:
+                fam.sizes.popitem(last=False)
+        fam.sizes.move_to_end((tokens, quad))
+        return sized
+
+    @staticmethod
+    def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
+        """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
+        got = sized.predicted.get(k)
+        if got is None:
+            est = sized.est
+            got = sized.predicted[k] = _auto.predict_step(
+                est.costs, range(k), d2h, h2d, prefetch, est.gap_s
+            )
+        return got
+
+    def _decide(
+        self,
+        fam: Family,
+        sized: Sized,
+        memory: DeviceMemory | None,
+        meter: Meter,
+        device: torch.device,
+        cfg: Any,
+    ) -> tuple[_auto.AutoDecision, Memory | None, dict[str, Any]]:
+        """The choice at one size, its memory side and its JSON-ready form (the choice
+        is made again only when something it depends on changed)."""
+        est = sized.est
+        mem = None
+        if memory is not None and est.act_bytes is not None:
+            limit = memory.limit * (1.0 - MEMORY_MARGIN) - fam.memory_excess
+            peak_all = memory.allocated + est.act_bytes
+            floor = _auto.memory_floor(est.freed, peak_all, limit)
+            mem = Memory(limit, peak_all, peak_all, peak_all + sized.kept[0] <= limit, floor)
+        floor = mem.floor if mem is not None else 0
+        stamp = (fam.generation, fam.scale, fam.backoff, floor)
+        if sized.stamp != stamp or sized.decision is None:
+            note = ""
+            if mem is not None:
+                note = (
+                    f"{mem.limit / 2**30:.2f} GiB of device memory (the limit less "
+                    f"{MEMORY_MARGIN:.0%}) holds the step's predicted peak only with "
+                    f"{floor} layers offloaded"
+                )
+            costs, gap = _scaled(est, fam.scale)
+            d2h, h2d = meter.link(device)
+            sized.decision = _auto.choose(
+                costs,
+                d2h,
+                h2d,
+                cfg.max_slowdown,
+                cfg.prefetch_layers,
+                gap,
+                min_offloaded=floor,
+                backoff=fam.backoff,
+                memory_note=note,
+            )
+            sized.stats = sized.decision.to_dict()
+            sized.stamp = stamp
+        decision = sized.decision
+        if mem is not None:
+            mem.peak = mem.peak_all + sized.kept[len(decision.offloaded)]
+        return decision, mem, sized.stats  # type: ignore[return-value]
+
+    def _next_run(self, fam: Family, decision: _auto.AutoDecision, mem: Memory | None) -> Run:
+        """A step without offloading, or the choice (module docstring, ``VERIFY``)."""
+        if not decision.offloaded:
+            return Run.NONE  # nothing offloaded: a step without offloading
+        if fam.phase is not Phase.VERIFY:
+            return Run.PLAN
+        if mem is not None and not mem.none_fits:
+            if decision.memory_reason is not None:
+                fam.settle("forced by memory: a step without offloading would not fit")
+                return Run.PLAN
+            fam.blocked += 1
+            if fam.blocked >= 2 * VERIFY_STEPS and not fam.none:
+                fam.settle(
+                    "not verified: memory never allowed a step without offloading at these sizes"
+                )
+            return Run.PLAN
+        if len(fam.none) + fam.none_in_flight < VERIFY_STEPS and fam.last_run is Run.PLAN:
+            return Run.NONE
+        return Run.PLAN
+
+    # ---- reading what steps measured ---------------------------------------------------
+
+    def _collect(self, max_slowdown: float) -> None:
+        """Read the steps whose marks have completed (never waits, except once for a
+        measuring forward whose backward ran)."""
+        keep: collections.deque[StepRecord] = collections.deque()
+        for record in self.pending:
+            watch = record.watch
+            if isinstance(watch, Probe):
+                if watch.complete():
+                    self._measured(record, watch)
+                    continue
+            elif watch is not None and watch.end is not None:
+                seconds = watch.seconds()
+                if seconds is not None:
+                    record.family.observe(record, seconds, watch.end_memory, max_slowdown)
+                    continue
+            record.age += 1
+            if record.age <= MAX_PENDING:
+                keep.append(record)
+            else:
+                self._drop(record)
+        self.pending = keep
+
+    def _drop(self, record: StepRecord) -> None:
+        fam = record.family
+        if record.run is Run.PROBE:
+            fam.probing = False
+        elif record.run is Run.NONE:
+            fam.none_in_flight = max(0, fam.none_in_flight - 1)
+
+    def _measured(self, record: StepRecord, probe: Probe) -> None:
+        """A measuring forward completed: keep its size's point."""
+        fam = record.family
+        fam.probing = False
+        m = probe.result()
+        if m is None:
+            return
+        L = len(m.forward_s)
+        act = None
+        start, end = record.start_memory, probe.end_memory
+        if start is not None:
+            kept = sum(m.freed_bytes[record.offloaded : L - 1])
+            if end is not None and end.peak > start.peak:
+                peak: float | None = end.peak
+            elif m.allocated_max is not None:
+                # the peak was not reached in this step (an earlier one was higher):
+                # the highest mark, and one call's bytes for what a call allocates
+                peak = m.allocated_max + max(m.freed_bytes, default=0)
+            else:
+                peak = None
+            if peak is not None:
+                act = max(0.0, peak - start.allocated - kept)
+        point = Point(
+            record.tokens,
+            record.quad,
+            point_values(
+                m.forward_s,
+                m.backward_s,
+                m.host_forward_s,
+                m.host_backward_s,
+                m.link_bytes,
+                m.freed_bytes,
+                m.gap_s,
+                act,
+            ),
+            m.copies,
+            act,
+            cold=record.cold,
+        )
+        if fam.model is None or fam.model.num_groups != L:
+            fam.model = ShapeModel(L)
+            fam.sizes.clear()
+        was_cold = all(p.cold for p in fam.model.points)
+        fam.model.add(point)
+        if was_cold and not point.cold:
+            # the scale measured against a cold step does not carry to a warm one
+            for q in fam.residuals.values():
+                q.clear()
+            fam.scale = 1.0
+        if fam.phase is Phase.MEASURE:
+            fam.phase = Phase.VERIFY
+        if all(p.cold for p in fam.model.points):
+            fam.reprobe = True  # once more, warm, at the choice's own plan
+
+    def _step_stats(
+        self,
+        fam: Family,
+        record: StepRecord,
+        decision: _auto.AutoDecision,
+        est: Estimate,
+        mem: Memory | None,
+    ) -> dict[str, Any]:
+        run = record.run
+        out: dict[str, Any] = {
+            "phase": fam.phase.value,
+            "step": run.value,
+            "offloaded": list(range(record.offloaded)),
+            "chosen": list(decision.offloaded),
+            "tokens": record.tokens,
+            "exact": est.exact,
+            "scale": fam.scale,
+            "measured_ratio": fam.measured_ratio,
+            "verification": fam.note,
+            "memory": None if mem is None else mem.to_dict(),
+            "state": self.state_size(),
+        }
+        if run is Run.NONE:
+            out["reason"] = (
+                f"verifying: this step runs without offloading, in alternation with the "
+                f"choice ({decision.reason})"
+            )
+        elif run is Run.PROBE:
+            out["reason"] = f"measuring this size again at the choice's plan: {decision.reason}"
+        return out

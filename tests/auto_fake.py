@@ -1,0 +1,147 @@
+"""A device for ``offload_layers="auto"`` on the CPU: layer timings, step times and
+device memory injected through the policy's meter (``offload/_auto_probe.py``).
+
+The policy runs unchanged; only what it reads from the clock and the allocator comes
+from here. Per step the meter knows the policy's record (``begin``): its size
+(``tokens``), how many leading layers it offloads and whether it measures. Marks carry
+a simulated timestamp on that step's device timeline (forward of each call, the gap,
+backward of each call in reverse), so every duration the policy derives is the
+injected one; a step's total time comes from :attr:`FakeMeter.step_time`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from offload import _auto_fit, _auto_policy
+from offload._auto import LayerCost, predict_step
+from offload._auto_probe import DeviceMemory, Meter
+
+
+@pytest.fixture
+def one_thread():
+    """Small CPU models run faster on one thread (and do not crowd a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def state_bounds() -> dict[str, int]:
+    """The most :meth:`offload._auto_policy.AutoPolicy.state_size` may report."""
+    return {
+        "families": _auto_policy.MAX_FAMILIES,
+        "points": _auto_fit.MAX_POINTS,
+        "decisions": _auto_policy.MAX_DECISIONS,
+        "pending": _auto_policy.MAX_PENDING,
+        "samples": _auto_policy.VERIFY_STEPS + _auto_policy.WATCH_STEPS,
+    }
+
+
+@dataclasses.dataclass
+class FakeMemory:
+    """Device memory: a fixed ``base`` allocated before each step, ``act(tokens)``
+    bytes at the peak with ``"all"``, and ``freed(tokens)[i]`` more while call ``i``
+    stays resident. Every step's simulated peak is kept in :attr:`peaks`; the
+    allocator's peak counter is reset when a step starts (after the policy's reading
+    before its first layer), as a loop that resets it every step does."""
+
+    limit: int
+    base: int
+    act: Callable[[int], float]
+    freed: Callable[[int], list[int]]
+    peaks: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    counter: float = 0.0  # the allocator's peak since its last reset
+
+    def peak(self, tokens: int, k: int) -> float:
+        freed = self.freed(tokens)
+        return self.base + self.act(tokens) + sum(freed[k : len(freed) - 1])
+
+
+class FakeMeter(Meter):
+    """Injected timings (module docstring).
+
+    Args:
+        costs: ``costs(tokens) -> [LayerCost]``: the true costs of one step.
+        link: bytes per second each way.
+        gap: ``gap(tokens)``: seconds between the last forward and its backward.
+        step_time: ``step_time(tokens, k) -> seconds`` of a real step offloading the
+            first ``k`` calls; default: :func:`predict_step` of the true costs.
+        probe_factor: what a measuring forward's instrumentation multiplies every
+            measured layer time by.
+        memory: a :class:`FakeMemory`, or ``None`` (no gauge).
+    """
+
+    def __init__(
+        self,
+        costs: Callable[[int], list[LayerCost]],
+        link: float,
+        *,
+        gap: Callable[[int], float] = lambda n: 0.0,
+        step_time: Callable[[int, int], float] | None = None,
+        probe_factor: float = 1.0,
+        memory: FakeMemory | None = None,
+    ) -> None:
+        self.costs = costs
+        self.bps = link
+        self.gap = gap
+        self.step_time = step_time or (
+            lambda n, k: predict_step(costs(n), range(k), link, link, None, gap(n))
+        )
+        self.probe_factor = probe_factor
+        self.fake_memory = memory
+        self.records: list[Any] = []
+        self._times: dict[tuple[str, int], float] = {}
+        if memory is not None:
+            memory.counter = memory.base
+
+    def begin(self, record: Any) -> None:
+        self.records.append(record)
+        n, k = record.tokens, record.offloaded
+        costs = self.costs(n)
+        probe = record.run.value == "probe"
+        f = self.probe_factor if probe else 1.0
+        times: dict[tuple[str, int], float] = {("start", 0): 0.0}
+        t = 0.0
+        for i, c in enumerate(costs):
+            times[("f0", i)] = t
+            t += c.forward_s * f
+            times[("f1", i)] = t
+        t += self.gap(n) * f
+        for i in range(len(costs) - 1, -1, -1):
+            times[("b0", i)] = t
+            t += costs[i].backward_s * f
+            times[("b1", i)] = t
+        times[("end", 0)] = t if probe else self.step_time(n, k)
+        self._times = times
+        self._tokens, self._k = n, k
+        if self.fake_memory is not None:
+            self.fake_memory.counter = self.fake_memory.base
+
+    def mark(self, device: Any, what: str, index: int) -> tuple[Any, float]:
+        mem = self.fake_memory
+        if what == "end" and mem is not None:
+            peak = mem.peak(self._tokens, self._k)
+            mem.peaks.append((self._tokens, self._k, peak))
+            mem.counter = max(mem.counter, peak)
+        return self._times[(what, index)], 0.0
+
+    def seconds(self, a: Any, b: Any) -> float | None:
+        return b - a
+
+    def memory(self, device: Any) -> DeviceMemory | None:
+        mem = self.fake_memory
+        if mem is None:
+            return None
+        return DeviceMemory(mem.limit, mem.base, int(mem.counter))
+
+    def allocated(self, device: Any) -> int | None:
+        return None if self.fake_memory is None else self.fake_memory.base
+
+    def link(self, device: Any) -> tuple[float, float]:
+        return self.bps, self.bps

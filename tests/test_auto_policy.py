@@ -1,0 +1,276 @@
+"""offload_layers="auto" as a policy (issue 30), on the CPU with injected timings and
+device memory (tests/auto_fake.py): memory first, sizes carried across lengths, the
+base measured without the instrumentation, back-off and re-decision after a measured
+slowdown, bounded state. Every step's gradients are bitwise equal to the same model
+without offloading."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import _auto_policy
+from offload._auto import LayerCost, choose
+from tests import models
+from tests.auto_fake import FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
+from tests.models import assert_same, step, twin
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(n_layers: int, dim: int = 64, **kw):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(dim, **kw) for _ in range(n_layers))
+    return layers, twin(layers)
+
+
+def _auto_offloader(layers, meter: FakeMeter) -> offload.ActivationOffloader:
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)  # "auto", the default
+    assert off.config.offload_layers == "auto"
+    off._auto.meter = meter
+    return off
+
+
+def _run(layers, ref, off, seq: int, dim: int = 64, batch: int = 2) -> dict:
+    """One step under ``off`` and the same step without offloading: bitwise equal."""
+    x = torch.randn(batch, seq, dim)
+    assert_same(step(layers, x, models.run_plain, off), step(ref, x, models.run_plain))
+    auto = dict(off.stats.auto)
+    auto["sent"] = off.stats.bytes_offloaded
+    auto["ran"] = [la.index for la in off.stats.layers if la.offloaded]
+    return auto
+
+
+def _released(layers, seq: int, batch: int = 2, dim: int = 64) -> list[int]:
+    """Device bytes each call frees when offloaded (``"all"``; the last: 0)."""
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=1024)
+    step(layers, torch.randn(batch, seq, dim), models.run_plain, off)
+    off.close()
+    return [la.bytes_released for la in off.stats.layers]
+
+
+def _family(off) -> _auto_policy.Family:
+    (fam,) = off._auto.families.values()
+    return fam
+
+
+# ---- memory first ------------------------------------------------------------------------
+
+
+def test_memory_first_offloads_what_memory_needs_from_the_first_step() -> None:
+    L, need = 6, 4
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    # link-bound layers: the link alone would hide few of them
+    link = freed[0] / 4e-3
+    base, act = 50 << 20, 3 * max(freed)
+    peak_needed = base + act + sum(freed[need : L - 1])
+    limit = int(peak_needed / (1 - _auto_policy.MEMORY_MARGIN)) + 1
+    memory = FakeMemory(limit, base, lambda n: act, lambda n: freed)
+    costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, link, memory=memory)
+    off = _auto_offloader(layers, meter)
+    seen = []
+    for it in range(12):
+        auto = _run(layers, ref, off, 16)
+        seen.append(auto)
+        assert auto["sent"] > 0, (it, auto)  # offloads from the first step on
+        assert auto["step"] != "none", auto  # a step without offloading would not fit
+    assert seen[0]["step"] == "probe" and seen[0]["ran"] == list(range(L - 1))
+    for auto in seen[1:]:
+        assert len(auto["ran"]) >= need, auto
+        assert auto["time_offloaded"] < need
+        assert auto["memory_reason"] and "memory" in auto["reason"], auto
+        assert auto["memory"]["floor"] == len(auto["ran"])
+        assert auto["memory"]["peak"] <= auto["memory"]["limit"]
+    # the simulated device never held more than its limit
+    assert max(p for _, _, p in memory.peaks) <= limit
+    assert seen[-1]["phase"] == "settled"
+    assert "memory" in off.stats.summary()
+
+
+def test_no_step_without_offloading_when_memory_cannot_hold_one() -> None:
+    # memory holds everything but the whole step without offloading: the link's choice
+    # (two layers) fits, a verifying step with none does not
+    L = 4
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    base, act = 10 << 20, max(freed)
+    memory = FakeMemory(0, base, lambda n: act, lambda n: freed)
+    memory.limit = int((base + act + sum(freed[1 : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN))
+    costs = [LayerCost(2e-3, 4e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 1e-3, memory=memory)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(16)]
+    assert all(a["step"] != "none" and a["sent"] > 0 for a in runs)
+    assert max(p for _, _, p in memory.peaks) <= memory.limit
+
+
+# ---- sizes carried across lengths -----------------------------------------------------
+
+
+def _attention_costs(a: float, b: float, L: int):
+    """Per call: forward ``a*n + b*q`` seconds (tokens, tokens * length), backward twice."""
+
+    def costs(n: int) -> list[LayerCost]:
+        q = n * (n // 2)  # batch 2
+        return [
+            LayerCost(a * n + b * q * (1 + i / L), 2 * (a * n + b * q * (1 + i / L)), 0)
+            for i in range(L)
+        ]
+
+    return costs
+
+
+def test_an_unseen_length_is_predicted_from_the_measured_ones() -> None:
+    L = 4
+    layers, ref = _model(L)
+    true = _attention_costs(2e-6, 4e-8, L)
+    meter = FakeMeter(true, 1e8, gap=lambda n: 1e-6 * n)
+    off = _auto_offloader(layers, meter)
+    for seq in (16, 16, 32, 64, 32, 64, 16, 64, 32, 16):
+        _run(layers, ref, off, seq)
+    model = _family(off).model
+    measured = {p.tokens for p in model.points}
+    assert 2 * 48 not in measured and len(measured) >= 2
+    est = model.predict(2 * 48, 2 * 48 * 48)
+    assert not est.exact
+    for got, want in zip(est.costs, true(2 * 48)):
+        assert got.forward_s == pytest.approx(want.forward_s, rel=0.01)
+        assert got.backward_s == pytest.approx(want.backward_s, rel=0.01)
+    assert est.gap_s == pytest.approx(1e-6 * 96, rel=0.01)
+    # bytes: against what the calls really send at that length
+    real = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=1024)
+    step(layers, torch.randn(2, 48, 64), models.run_plain, real)
+    for got, la in zip(est.costs[: L - 1], real.stats.layers):
+        assert got.nbytes == pytest.approx(la.bytes_offloaded, rel=0.02)
+    # the step at that length runs the prediction's choice, without measuring
+    auto = _run(layers, ref, off, 48)
+    assert auto["exact"] is False and auto["step"] != "probe"
+    assert auto["sent"] > 0 or auto["step"] == "none"
+
+
+def test_lengths_are_measured_again_only_when_the_prediction_proves_wrong() -> None:
+    L = 3
+    layers, ref = _model(L)
+    # linear in tokens: one warm measurement predicts every length
+    linear = FakeMeter(_attention_costs(2e-5, 0.0, L), 2e8)
+    off = _auto_offloader(layers, linear)
+    for seq in (16, 16, 24, 40, 56, 20, 48, 36, 60, 28):
+        _run(layers, ref, off, seq)
+    probes = [r for r in linear.records if r.run is _auto_policy.Run.PROBE]
+    assert [r.tokens for r in probes] == [32, 32]  # the first step, then once warm
+    # attention-bound: lengths far from those measured are measured again, until the
+    # fit holds; then no more
+    quad = FakeMeter(_attention_costs(1e-6, 4e-7, L), 2e8)
+    off = _auto_offloader(layers, quad)
+    for seq in (16, 16, 64, 24, 56, 40, 48, 20, 60, 32, 44, 52, 28, 36):
+        _run(layers, ref, off, seq)
+    probes = [r for r in quad.records if r.run is _auto_policy.Run.PROBE]
+    assert 3 <= len(probes) <= 5, [r.tokens for r in probes]
+    last = quad.records.index(probes[-1])
+    for seq in (18, 30, 42, 54, 62, 26):
+        auto = _run(layers, ref, off, seq)
+        assert auto["step"] != "probe" and auto["exact"] is False
+    assert quad.records.index(probes[-1]) == last
+
+
+# ---- the base, verification, back-off ----------------------------------------------------
+
+
+def test_the_base_is_measured_without_the_instrumentation() -> None:
+    # the measuring forward's hooks and marks make every layer look 1.8x slower than a
+    # real step's: taken at face value, more copies would look hidden than are
+    L = 6
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    costs = [LayerCost(1e-3, 2e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 4.5e-3, probe_factor=1.8)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(14)]
+    last = runs[-1]
+    true = [
+        dataclasses.replace(c, nbytes=b["nbytes"], copies=b["copies"])
+        for c, b in zip(costs, last["costs"])
+    ]
+    inflated = [
+        dataclasses.replace(c, forward_s=1.8 * c.forward_s, backward_s=1.8 * c.backward_s)
+        for c in true
+    ]
+    right = choose(true, meter.bps, meter.bps, 0.03).offloaded
+    assert len(choose(inflated, meter.bps, meter.bps, 0.03).offloaded) > len(right)  # the trap
+    assert last["chosen"] == right, last
+    assert last["scale"] == pytest.approx(1 / 1.8, rel=0.02)
+    assert last["base_seconds"] == pytest.approx(
+        sum(c.forward_s + c.backward_s for c in costs), rel=0.02
+    )
+    assert last["phase"] == "settled" and last["measured_ratio"] <= 1.03
+    assert any(r["step"] == "none" for r in runs)  # verified against steps without offloading
+
+
+def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift() -> None:
+    # compute-bound layers: the model hides every copy, but each offloaded layer costs
+    # the real step 2 % it does not see
+    L = 6
+    layers, ref = _model(L)
+    costs = [LayerCost(5e-3, 10e-3, 0)] * L
+    penalty = {"per_layer": 0.02}
+    meter = FakeMeter(lambda n: costs, 1e10)
+    none_s = sum(c.forward_s + c.backward_s for c in costs)
+    meter.step_time = lambda n, k: none_s * (1 + penalty["per_layer"] * k)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(40)]
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    assert chosen[0] == L - 1
+    steps = [b - a for a, b in zip(chosen, chosen[1:]) if b != a]
+    assert steps and all(s == -1 for s in steps), chosen  # one layer at a time
+    assert chosen[-1] == 1  # 1.02x: within 3 %; two layers: 1.04x
+    assert runs[-1]["phase"] == "settled"
+    assert runs[-1]["measured_ratio"] == pytest.approx(1.02, rel=1e-6)
+    for r in runs:
+        if r["step"] == "none":
+            assert r["ran"] == [] and r["sent"] == 0
+        else:
+            assert r["ran"] == r["offloaded"] and (r["sent"] > 0) == bool(r["ran"])
+    assert "measured 1.020x" in off.stats.summary()
+    # conditions change: one offloaded layer now costs 4 %: the watch sees the drift,
+    # a fresh verification measures it, and the layer comes off
+    penalty["per_layer"] = 0.04
+    runs = [_run(layers, ref, off, 16) for _ in range(_auto_policy.WATCH_EVERY * 6 + 10)]
+    assert any("drifted" in r["verification"] for r in runs)
+    assert runs[-1]["chosen"] == [] and runs[-1]["sent"] == 0
+
+
+# ---- bounded state ---------------------------------------------------------------------
+
+
+def test_state_stays_bounded_over_a_thousand_lengths() -> None:
+    # small blocks: the sizes, not the layers, are what this is about
+    L, dim = 3, 16
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(dim, 2 * dim), nn.Tanh(), nn.Linear(2 * dim, dim)) for _ in range(L)
+    )
+    ref = twin(layers)
+    meter = FakeMeter(_attention_costs(2e-6, 2e-9, L), 5e8)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+    off._auto.meter = meter
+    bounds = state_bounds()
+    verifying = offloading = 0
+    for i in range(1000):
+        auto = _run(layers, ref, off, 8 + i, dim=dim, batch=1)
+        state = off._auto.state_size()
+        assert all(state[k] <= bounds[k] for k in bounds), (i, state)
+        if i and auto["chosen"]:
+            if auto["step"] == "none":
+                verifying += 1
+            else:
+                offloading += 1
+                assert auto["sent"] > 0 and auto["ran"] == auto["chosen"], (i, auto)
+    assert offloading > 900
+    assert verifying <= 3 * _auto_policy.VERIFY_STEPS
+    assert len(meter.records) >= 1000 // _auto_policy.WATCH_EVERY  # timed steps
