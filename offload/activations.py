@@ -368,10 +368,12 @@ class ActivationOffloader:
         at once), which takes their registration off the step's start."""
         for module in dict.fromkeys(self._layers):  # each module once, in order
             self._hooks.append(
-                module.register_forward_pre_hook(_ModuleHook(self._layer_start), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    _ModuleHook(self._layer_start, arity=3), with_kwargs=True
+                )
             )
             self._hooks.append(
-                module.register_forward_hook(_ModuleHook(self._layer_end), with_kwargs=True)
+                module.register_forward_hook(_ModuleHook(self._layer_end, arity=4), with_kwargs=True)
             )
 
     def _remove_layer_hooks(self) -> None:
@@ -1375,16 +1377,22 @@ class _ModuleHook:
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
 
-    __slots__ = ("fn", "traced")
+    __slots__ = ("arity", "fn", "traced")
 
-    def __init__(self, fn: Callable[..., None] | None) -> None:
+    def __init__(self, fn: Callable[..., None] | None, arity: int = 0) -> None:
         self.fn = fn
+        #: the number of arguments torch passes this hook as registered (0: any). Torch
+        #: registers a hook and marks it ``with_kwargs`` in two steps, and removes it in
+        #: two: a forward running on another thread in between calls it with the other
+        #: arity. That thread never owns the offloader (its owner registers and removes on
+        #: its own thread), so such a call has nothing to do.
+        self.arity = arity
         #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
         #: the module's hooks with its forward): ``fn``, run eagerly, outside the graph
         self.traced = None if fn is None else _dynamo.eager(fn)
 
     def __call__(self, *args: Any) -> None:
-        if self.fn is not None:
+        if self.fn is not None and (not self.arity or len(args) == self.arity):
             if torch.compiler.is_compiling():
                 self.traced(*args)  # type: ignore[misc]
             else:
