@@ -314,6 +314,7 @@ def main() -> None:
                 )
                 fixed_for[id(layers)] = (fixed, k_box)
             fixed, k_box = fixed_for[id(layers)]
+            t0 = time.perf_counter()
             auto = measure_auto(runner, layers, args)
             best = best_fixed_k(runner, fixed, k_box, L, args)
             none_act = auto["ab"]["none_act_gib"]
@@ -336,6 +337,7 @@ def main() -> None:
                 else (1.0 if best["k"] == 0 else None),
                 "auto": auto,
                 "fixed": best,
+                "seconds": time.perf_counter() - t0,
             }
             results[name].append(row)
             print(

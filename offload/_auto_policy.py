@@ -167,7 +167,8 @@ class AutoPolicy:
             step.stats.auto = dict(_NO_ACCELERATOR)
             return
         cfg = off.config
-        self._collect(cfg.max_slowdown)
+        if not step.capture:  # a capture allows no event queries (nor waits)
+            self._collect(cfg.max_slowdown)
         fam = self.families.get(key)
         if fam is None:
             fam = self.families[key] = Family()

@@ -29,7 +29,7 @@ import torch
 
 from offload import _auto, _packing
 
-__all__ = ["DeviceMemory", "Measured", "Meter", "Probe", "StepWatch", "meter_for"]
+__all__ = ["DeviceMemory", "ProbeResult", "Meter", "Probe", "StepWatch", "meter_for"]
 
 
 _tensors_in = _packing.tensors_requiring_grad
@@ -214,7 +214,7 @@ class StepWatch:
 
 
 @dataclasses.dataclass
-class Measured:
+class ProbeResult:
     """What one measuring forward measured, per layer call: device seconds of forward
     and backward, host seconds issuing them (less the offloader's own per-copy work in
     calls that were offloaded), the bytes offloading sends (``link_bytes``) and frees
@@ -317,7 +317,7 @@ class Probe(StepWatch):
             and all("f1" in m and "b0" in m for m in self.marks)
         )
 
-    def result(self) -> Measured | None:
+    def result(self) -> ProbeResult | None:
         """The measurements (waits on the host for the marks once); ``None`` until
         :meth:`complete`."""
         if not self.complete():
@@ -326,7 +326,7 @@ class Probe(StepWatch):
         meter.wait(self.end[0])  # type: ignore[index]
         L = len(self.marks)
         at_backward = self.at_backward or [len(t) for t in self.times]
-        out = Measured([], [], [], [], [], [], [], list(self.offloaded), 0.0, self.allocated_max)
+        out = ProbeResult([], [], [], [], [], [], [], list(self.offloaded), 0.0, self.allocated_max)
         per_copy = _auto.HOST_SECONDS_PER_COPY / 2
         for i, m in enumerate(self.marks):
             fwd = _seconds(meter, m["f0"], m["f1"])

@@ -150,6 +150,35 @@ def test_auto_probe_in_capture_is_refused(capturing: list[bool]) -> None:
     off.close()
 
 
+def test_auto_decided_before_a_capture_runs_its_choice_unmeasured(capturing: list[bool]) -> None:
+    """Two eager steps measure and decide; inside a capture the step runs the choice
+    and reads nothing from the device (no event query, no wait, no memory reading)."""
+    from offload._auto import LayerCost
+    from tests.auto_fake import FakeMeter
+
+    layers, x = _model(4)
+    meter = FakeMeter(lambda n: [LayerCost(10e-3, 20e-3, 0)] * 4, 1e10)
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)  # "auto"
+    off._auto.meter = meter  # type: ignore[union-attr]
+    capturing[0] = False
+    for _ in range(2):
+        _step(layers, x, off)
+    chosen = off.stats.auto["chosen"]
+    assert chosen == [0, 1, 2]
+    seen = len(meter.records)
+    read = []
+    meter.memory = lambda device: read.append(device)  # type: ignore[method-assign]
+    meter.seconds = lambda a, b: read.append((a, b))  # type: ignore[method-assign]
+    capturing[0] = True
+    with off:
+        h = x
+        for layer in layers:
+            h = layer(h)
+    capturing[0] = False
+    assert off.stats.auto["offloaded"] == chosen and read == [] and len(meter.records) == seen
+    off.close()
+
+
 # ---- per-layer captures ------------------------------------------------------------------
 
 
