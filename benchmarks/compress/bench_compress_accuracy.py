@@ -137,7 +137,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Timer, environment, free_cached, synchronize, write_json
+from benchmarks._common import Timer, environment, free_cached, synchronize, write_json
 from torch import nn
 
 import offload

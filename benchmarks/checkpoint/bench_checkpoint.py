@@ -82,7 +82,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _common import GIB, Timer, environment, median, synchronize, write_json
+from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _common import GIB, environment, median, write_json
-from bench_activations import DTYPE, PRESETS, Block, loss_of
+from benchmarks._common import GIB, environment, median, write_json
+from benchmarks.activations.bench_activations import DTYPE, PRESETS, Block, loss_of
 from torch import nn
 
 import offload

@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from _common import environment, levers_of, union_length, write_json
+from benchmarks._common import environment, levers_of, union_length, write_json
 
 import offload
 from offload._reference import ReferenceModel

@@ -127,7 +127,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _common import (
+from benchmarks._common import (
     GIB,
     LEVER_LETTERS,
     Timer,

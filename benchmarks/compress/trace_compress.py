@@ -21,7 +21,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from _common import union_length
+from benchmarks._common import union_length
 
 import offload
 from offload._reference import ReferenceModel

@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from _common import environment, median, synchronize, write_json
+from benchmarks._common import environment, median, synchronize, write_json
 from torch import nn
 
 import offload

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import torch
-from _common import environment, levers_of, write_json
+from benchmarks._common import environment, levers_of, write_json
 
 import offload
 from offload import _compress, _device, _host_pool, _scheduler, activations

@@ -96,7 +96,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (
+from benchmarks._common import (
     GIB,
     Timer,
     copy_times_from_profiler,

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import Timer, environment, gbps, median, pinned_bandwidth, synchronize, write_json
+from benchmarks._common import Timer, environment, gbps, median, pinned_bandwidth, synchronize, write_json
 
 from offload import _compress as codec
 

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (
+from benchmarks._common import (
     GIB,
     Timer,
     environment,

@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 import torch
-from _common import environment, free_cached, levers_of, write_json
+from benchmarks._common import environment, free_cached, levers_of, write_json
 
 import offload
 from offload import _device
