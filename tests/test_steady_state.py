@@ -17,7 +17,7 @@ from torch import nn
 
 import offload
 
-STEPS = 300
+STEPS = 200
 
 
 class Block(nn.Module):
