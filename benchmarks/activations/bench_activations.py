@@ -2,24 +2,26 @@
 
 Command (one GPU, default sizes; about 50 s on an H200)::
 
-    PYTHONPATH=. python3 benchmarks/bench_activations.py --out results/bench_activations.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_activations.py --compress-ks 4,7 \\
+        --out benchmarks/results/activations_ref8l.json
 
 CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few seconds)::
 
-    PYTHONPATH=. python3 benchmarks/bench_activations.py --quick --device cpu --out /tmp/b.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_activations.py --quick --device cpu --out /tmp/b.json
 
 Many small layers (``--preset tiny48``: 48 layers, hidden 256, 4 heads, ffn 704, seq 256,
 batch 4; median of 15 steps by default; its default rows: no offload, ``offload k=0``
 (hooks only: every saved tensor goes through the offloader and stays), ``offload k=47``
 (``offload_layers="all"``: all layers but the last), ``save_on_cpu``, checkpointing)::
 
-    PYTHONPATH=. python3 benchmarks/bench_activations.py --preset tiny48 --out tiny48.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_activations.py --preset tiny48 --interleave 15 \\
+        --out benchmarks/results/activations_tiny48.json
 
 ``--methods`` picks the kinds of rows (``none,offload,save_on_cpu,checkpoint``, all by
 default; ``none`` always runs, it is the reference of ``x none``) and ``--ks`` the
 ``offload_layers`` values of the offload rows.
 
-Model (docs/measurements.md, "ref-8L", by default): L Llama-style layers, each
+Model (docs/performance.md, "ref-8L", by default): L Llama-style layers, each
 ``x + out(SDPA_causal(qkv(RMSNorm(x))))`` then ``x + down(silu(gate) * up)`` with
 ``gate, up = gate_up(RMSNorm(x))`` (fused QKV and fused gate/up ``nn.Linear`` without
 bias, ``nn.RMSNorm``, no RoPE); hidden 4096, 32 heads, ffn 14336, 8 layers, seq 4096,
@@ -64,7 +66,7 @@ Columns (definitions):
   keeps the gradients of the previous step (its backward accumulates into them), so
   "before" holds weights + gradients + the input and the difference is what the step
   adds: saved activations, reload buffers and backward workspace (the definition of
-  "activation memory" in docs/measurements.md, section 1).
+  "activation memory" in docs/performance.md, section 1).
 * ``peak GiB``: ``max_memory_allocated()`` over the timed steps (absolute, all included).
 * ``D2H / step`` / ``H2D / step``: bytes sent each way in one step (the last timed step),
   printed in binary units (GiB = 2^30 B).
@@ -724,7 +726,7 @@ def print_report(result: dict[str, Any]) -> None:
         "caching-allocator requests of the memory step (cudaMalloc calls); model ms: "
         "docs/design.md section 6 bound from F, B, S and pinned 1 GiB W, anchored on the "
         "measured no-offload step; GB/s: bytes / profiler copy time. Definitions: header "
-        "of benchmarks/bench_activations.py."
+        "of benchmarks/activations/bench_activations.py."
     )
 
 

@@ -2,8 +2,8 @@
 
 Command (one CUDA GPU; about three minutes on an H200)::
 
-    PYTHONPATH=. python3 benchmarks/bench_auto.py --out bench_auto.json
-    PYTHONPATH=. python3 benchmarks/bench_auto.py --quick --device cpu --out /tmp/a.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_auto.py --out benchmarks/results/auto.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_auto.py --quick --device cpu --out /tmp/a.json
 
 Models (bf16, forward + backward, no optimizer step):
 

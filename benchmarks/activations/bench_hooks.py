@@ -2,8 +2,8 @@
 
 Command (CPU, then CUDA when a GPU is present; about a minute on a CPU)::
 
-    PYTHONPATH=. python3 benchmarks/bench_hooks.py --out bench_hooks.json
-    PYTHONPATH=. python3 benchmarks/bench_hooks.py --devices cpu --out /tmp/hooks.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_hooks.py --out benchmarks/results/hooks.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_hooks.py --devices cpu --out /tmp/hooks.json
 
 Two measurements, both on tensors so small (``--numel`` 256 fp32 values, 1 KiB) that the
 copies and kernels cost next to nothing and what is left is the Python and autograd work
@@ -310,7 +310,7 @@ def print_report(result: dict[str, Any]) -> None:
             us = row["us_per_tensor"]
             table.add_row(row["path"], str(row["tensors"]), *(f"{us[k]:.1f}" for k in cols))
         console.print(table)
-    console.print("Columns: header of benchmarks/bench_hooks.py.")
+    console.print("Columns: header of benchmarks/activations/bench_hooks.py.")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

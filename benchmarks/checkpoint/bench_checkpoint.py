@@ -4,16 +4,16 @@ Command (one GPU, default sizes: 8 Llama layers at hidden 4096, seq 8k, 16k, 32k
 1-2 minutes on an H200, under 30 GiB of GPU memory and about 2 GiB of pinned host
 memory)::
 
-    PYTHONPATH=. python3 benchmarks/bench_checkpoint.py --out results/bench_checkpoint.json
+    PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint.py --out benchmarks/results/checkpoint.json
 
 Other sequence lengths, more layers, other memory caps::
 
-    PYTHONPATH=. python3 benchmarks/bench_checkpoint.py --seqs 4096,8192,16384 \\
-        --layers 16 --cap-gib 40 80 --out results/bench_checkpoint_16l.json
+    PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint.py --seqs 4096,8192,16384 \\
+        --layers 16 --cap-gib 40 80 --out /tmp/checkpoint_16l.json
 
 CPU smoke run (tiny model, a few seconds; CUDA-only columns print n/a)::
 
-    PYTHONPATH=. python3 benchmarks/bench_checkpoint.py --quick --device cpu --out /tmp/c.json
+    PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint.py --quick --device cpu --out /tmp/c.json
 
 Model: ``--layers`` (8) ``offload._reference.ReferenceBlock`` layers (Llama-style: RMSNorm,
 fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP, residuals; no RoPE, no

@@ -3,8 +3,8 @@
 
 Command (one CUDA GPU; about two minutes on an H200)::
 
-    PYTHONPATH=. python3 benchmarks/bench_checkpoint_hf.py --out bench_checkpoint_hf.json
-    PYTHONPATH=. python3 benchmarks/bench_checkpoint_hf.py --quick --device cpu --out /tmp/h.json
+    PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint_hf.py --out benchmarks/results/checkpoint_hf.json
+    PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint_hf.py --quick --device cpu --out /tmp/h.json
 
 Model: ``LlamaForCausalLM`` from a config with random weights (hidden 2048, 16 layers,
 32 heads, 4 KV heads, ffn 5632, vocab 32000, SDPA, bf16; ~1.1B parameters), batch 1,

@@ -2,10 +2,10 @@
 
 Command (one CUDA GPU, a few seconds; without a GPU, a small eager run on the CPU)::
 
-    PYTHONPATH=. python3 benchmarks/bench_codec.py --out results/bench_codec.json
-    PYTHONPATH=. python3 benchmarks/bench_codec.py --device cpu --out /tmp/codec.json
+    PYTHONPATH=. python3 benchmarks/compress/bench_codec.py --out benchmarks/results/codec.json
+    PYTHONPATH=. python3 benchmarks/compress/bench_codec.py --device cpu --out /tmp/codec.json
     # also try other tilings of the Triton kernels (blocks per program x warps)
-    PYTHONPATH=. python3 benchmarks/bench_codec.py --sweep --out /tmp/codec_sweep.json
+    PYTHONPATH=. python3 benchmarks/compress/bench_codec.py --sweep --out /tmp/codec_sweep.json
 
 Input: ``--mib`` MiB (default 704 on CUDA, 16 on the CPU) of N(0, 1) values per dtype of
 ``--dtypes`` (default bf16), as one flat tensor, and a *ragged* copy of it with 200 more
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(
         args.out,
         {
-            "command": "PYTHONPATH=. python3 benchmarks/bench_codec.py "
+            "command": "PYTHONPATH=. python3 benchmarks/compress/bench_codec.py "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "settings": {**vars(args), "mib": mib, "impls": impls},
             "codec": {

@@ -3,15 +3,17 @@ one ref-8L step, and the loss curves of a small char-level GPT trained 500 steps
 
 Command (one GPU; target: under three minutes on an H200)::
 
-    PYTHONPATH=. python3 benchmarks/bench_compress_accuracy.py \\
-        --out benchmarks/results/bench_compress_accuracy_h200.json
-    PYTHONPATH=. python3 benchmarks/plot_compress_loss.py \\
-        --json benchmarks/results/bench_compress_accuracy_h200.json --png docs/compress_loss.png
+    PYTHONPATH=. python3 benchmarks/compress/bench_compress_accuracy.py --parts ref \\
+        --out benchmarks/results/compress_accuracy_ref8l.json
+    PYTHONPATH=. python3 benchmarks/compress/bench_compress_accuracy.py --compress-fp32 \\
+        --out benchmarks/results/compress_accuracy.json
+    PYTHONPATH=. python3 benchmarks/compress/plot_compress_loss.py \\
+        --json benchmarks/results/compress_accuracy.json --png docs/compress_loss.png
 
 CPU smoke run (tiny sizes, one CPU thread, about 20 s; the default device is cuda when
 there is one, else cpu)::
 
-    PYTHONPATH=. python3 benchmarks/bench_compress_accuracy.py --quick --out /tmp/acc.json
+    PYTHONPATH=. python3 benchmarks/compress/bench_compress_accuracy.py --quick --out /tmp/acc.json
 
 ``--compress none`` is a dry run of the script itself: the "compressed" runs use
 ``compress=None`` too, so every error must print as 0 and every bitwise check as yes.
@@ -41,7 +43,7 @@ ending the run. ``--deterministic warn`` / ``off`` choose the others. Every warn
 printed at the end and kept in the JSON (``warnings``); each part has a control that
 says whether its runs were in fact deterministic.
 
-Part 1, ``ref-8L`` (docs/measurements.md; ``offload._reference.ReferenceModel``): 8
+Part 1, ``ref-8L`` (docs/performance.md; ``offload._reference.ReferenceModel``): 8
 Llama-style layers (RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU
 MLP, residuals), hidden 4096, 32 heads, ffn 14336, seq 4096, batch 1, bf16 weights (seed
 0); loss = mean of squares of the output, in fp32. ``--quick``: 4 layers, hidden 64, 4
@@ -113,7 +115,7 @@ Runs, each from seed 0 on the same batches: ``uncompressed`` (``compress=None``)
   deterministic on this machine, and part of the compressed run's difference is noise).
 * Every training loss, gradient norm (before clipping) and validation loss of every run
   is in the JSON (``gpt.runs.<run>.train_loss``, ``grad_norm``, ``val``), for
-  ``benchmarks/plot_compress_loss.py``.
+  ``benchmarks/compress/plot_compress_loss.py``.
 """
 
 from __future__ import annotations
@@ -903,8 +905,8 @@ def print_report(result: dict[str, Any]) -> None:
         for text in result["warnings"]:
             console.print(f"  {text}", markup=False)
     console.print(
-        "Definitions of every column: header of benchmarks/bench_compress_accuracy.py; "
-        "plot: benchmarks/plot_compress_loss.py."
+        "Definitions of every column: header of benchmarks/compress/bench_compress_accuracy.py; "
+        "plot: benchmarks/compress/plot_compress_loss.py."
     )
 
 

@@ -3,10 +3,10 @@ against ``compress="fp8"``, same seed and batches.
 
 Command (any machine with matplotlib: ``pip install "offload[plot]"``)::
 
-    PYTHONPATH=. python3 benchmarks/plot_compress_loss.py \\
-        --json benchmarks/results/bench_compress_accuracy_h200.json --png docs/compress_loss.png
+    PYTHONPATH=. python3 benchmarks/compress/plot_compress_loss.py \\
+        --json benchmarks/results/compress_accuracy.json --png docs/compress_loss.png
 
-Reads ``gpt`` of the JSON that ``benchmarks/bench_compress_accuracy.py --out`` wrote (run
+Reads ``gpt`` of the JSON that ``benchmarks/compress/bench_compress_accuracy.py --out`` wrote (run
 it with ``--parts gpt`` or the default ``ref,gpt``) and draws, with matplotlib's Agg
 backend (no display needed):
 

@@ -2,7 +2,8 @@
 
 Command (one GPU, about 30 s)::
 
-    PYTHONPATH=. python3 benchmarks/trace_compress.py --ks 2,4 --out trace_compress.json
+    PYTHONPATH=. python3 benchmarks/compress/trace_compress.py --ks 4,7 \
+        --out benchmarks/results/codec_share.json
 
 Rows: no offload; ``offload k`` exact; ``offload k`` with ``compress="fp8"``, for each k
 of ``--ks``. Each row runs 3 warm-up steps, then one step under ``torch.profiler``

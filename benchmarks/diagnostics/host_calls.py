@@ -2,7 +2,7 @@
 
 Command (one GPU, about 15 s)::
 
-    PYTHONPATH=. python3 benchmarks/host_calls.py --plans o.......,oo......,o.Ss.... \\
+    PYTHONPATH=. python3 benchmarks/diagnostics/host_calls.py --plans o.......,oo......,o.Ss.... \\
         --out host_calls.json
 
 ``bench_hooks.py`` times the hooks in a tight loop; this times them where they run: in

@@ -2,8 +2,8 @@
 
 Command (one CUDA GPU or the CPU)::
 
-    PYTHONPATH=. python3 benchmarks/hostprof.py --offload-layers 0 --top 25
-    PYTHONPATH=. python3 benchmarks/hostprof.py --offload-layers all --top 25
+    PYTHONPATH=. python3 benchmarks/diagnostics/hostprof.py --offload-layers 0 --top 25
+    PYTHONPATH=. python3 benchmarks/diagnostics/hostprof.py --offload-layers all --top 25
 
 Model: the tiny48 preset of bench_activations.py (48 Llama-style layers, hidden 256,
 4 heads, ffn 704, seq 256, batch 4, bf16 on CUDA), a launch-bound model where the

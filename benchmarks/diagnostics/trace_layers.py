@@ -2,7 +2,7 @@
 
 Command (one GPU, about 20 s)::
 
-    PYTHONPATH=. python3 benchmarks/trace_layers.py --plans o.......,oo......,o.Ss.... \\
+    PYTHONPATH=. python3 benchmarks/diagnostics/trace_layers.py --plans o.......,oo......,o.Ss.... \\
         --out trace_layers.json
 
 Model: ref-8L (``ReferenceModel(8, 4096, 32, 14336)``, bf16, seed 0); a step is

@@ -2,7 +2,7 @@
 
 Command (one GPU, about 30 s)::
 
-    PYTHONPATH=. python3 benchmarks/trace_plan.py --plans cccccccc,ccccccc.,CCCCCCC. \
+    PYTHONPATH=. python3 benchmarks/diagnostics/trace_plan.py --plans cccccccc,ccccccc.,CCCCCCC. \
         --out trace_plan.json
 
 Each plan is a string of one lever code per layer (``o`` offload, ``S``

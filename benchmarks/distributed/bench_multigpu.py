@@ -2,21 +2,21 @@
 
 Command (one host, one process per GPU; an estimated one to two minutes on 2 H200s)::
 
-    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/bench_multigpu.py \\
-        --out results/bench_multigpu_h200x2.json
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/distributed/bench_multigpu.py \\
+        --out /tmp/multigpu.json
 
 CPU smoke run (gloo, the ``tiny`` preset, 2 processes; under a minute)::
 
-    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/bench_multigpu.py --device cpu \\
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/distributed/bench_multigpu.py --device cpu \\
         --preset tiny --out /tmp/mg.json
 
 The first part of the several-GPU study, the pinned memcpy rate each rank gets when N
-processes copy at once with no model running, is ``benchmarks/bench_multigpu_memcpy.py``
-(``python3 benchmarks/bench_multigpu_memcpy.py --out multigpu_memcpy.json``); this script
+processes copy at once with no model running, is ``benchmarks/distributed/bench_multigpu_memcpy.py``
+(``python3 benchmarks/distributed/bench_multigpu_memcpy.py --out benchmarks/results/multigpu_memcpy.json``); this script
 does not repeat it. ``gpu_suite.sh multigpu`` runs both.
 
 Model (``--preset ref8l``, the default): ``offload._reference.ReferenceModel``, "ref-8L"
-of docs/measurements.md: 8 Llama-style layers, hidden 4096, 32 heads, ffn 14336, seq
+of docs/performance.md: 8 Llama-style layers, hidden 4096, 32 heads, ffn 14336, seq
 4096, batch 1 per rank, bf16 weights; loss = mean of squares of the output, in fp32.
 ``--preset tiny`` (for the CPU smoke run): 8 layers, hidden 256, 4 heads, ffn 704, seq
 128, batch 2, fp32 (bf16 matmuls are about 20x slower than fp32 on a CPU without bf16
@@ -508,8 +508,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"copy time of an offloader with timing=True (median of {s['copy_steps']} steps, "
         "all ranks copying at once); stall ms: compute stream waiting for copies; pool "
         "peak: most host bytes handed out at once. Definitions: header of "
-        "benchmarks/bench_multigpu.py; the pinned memcpy rate with N concurrent copiers: "
-        "benchmarks/bench_multigpu_memcpy.py."
+        "benchmarks/distributed/bench_multigpu.py; the pinned memcpy rate with N concurrent copiers: "
+        "benchmarks/distributed/bench_multigpu_memcpy.py."
     )
     for h in result["host"]:
         console.print(
@@ -672,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "copy_steps": args.copy_steps,
                 "cpu_threads": torch.get_num_threads(),
             },
-            "memcpy_benchmark": "benchmarks/bench_multigpu_memcpy.py",
+            "memcpy_benchmark": "benchmarks/distributed/bench_multigpu_memcpy.py",
             "environments": [g["env"] for g in gathered],
             "host": [g["host"] for g in gathered],
             "rows": sorted(

@@ -2,7 +2,7 @@
 
 Command (a machine with one or more CUDA GPUs; about a minute)::
 
-    PYTHONPATH=. python3 benchmarks/bench_multigpu_memcpy.py --out multigpu_memcpy.json
+    PYTHONPATH=. python3 benchmarks/distributed/bench_multigpu_memcpy.py --out benchmarks/results/multigpu_memcpy.json
 
 For N = 1 .. number of GPUs, N processes (one per GPU, ``torch.multiprocessing``) each
 copy ``--mib`` (1024) MiB device -> pinned host and pinned host -> device, ``--repeats``

@@ -11,8 +11,10 @@ step without offloading, and the peak device memory above the weights and the in
 memory the graph's pool keeps). Gradients of the first replay of each graphed row are
 compared bitwise with the eager step's.
 
-    PYTHONPATH=. python3 benchmarks/bench_graphs.py --preset tiny48 --out tiny48_graphs.json
-    PYTHONPATH=. python3 benchmarks/bench_graphs.py --preset ref-8L --ks 1,2 --out ref8l_graphs.json
+    PYTHONPATH=. python3 benchmarks/graphs/bench_graphs.py --preset tiny48 \\
+        --out benchmarks/results/graphs_tiny48.json
+    PYTHONPATH=. python3 benchmarks/graphs/bench_graphs.py --preset ref-8L --ks 1,2 \\
+        --out benchmarks/results/graphs_ref8l.json
 """
 
 from __future__ import annotations

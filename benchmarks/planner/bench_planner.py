@@ -1,25 +1,25 @@
 """The planner (``offload.plan``) on "ref-8L": does the plan it chooses meet a memory
 budget at the least step time? Every single-lever configuration, then the planner's plan
-for four budgets, predicted and measured, against the targets of the issue "Planner:
-meet a memory budget at the least step time".
+for four budgets, predicted and measured, against its targets (a memory budget met at the
+least step time).
 
 Command (one CUDA GPU; about a minute on an H200, a few GiB of pinned host memory)::
 
-    PYTHONPATH=. python3 benchmarks/bench_planner.py --out results/bench_planner.json
+    PYTHONPATH=. python3 benchmarks/planner/bench_planner.py --out benchmarks/results/planner.json
 
 With offloaded layers compressed (``compress="fp8"`` for ``offload.plan``, the plans
 and the ``offload k`` rows)::
 
-    PYTHONPATH=. python3 benchmarks/bench_planner.py --compress fp8 --out bench_planner_fp8.json
+    PYTHONPATH=. python3 benchmarks/planner/bench_planner.py --compress fp8 --out /tmp/planner_fp8.json
 
 CPU smoke run (tiny sizes; checks only that the script runs end to end: ``offload.plan``
 needs CUDA, so it is skipped and the plans are chosen with ``offload._planner.optimize``
 on a synthetic :class:`offload.PlanCosts`; CUDA-only columns print n/a)::
 
-    PYTHONPATH=. python3 benchmarks/bench_planner.py --quick --device cpu --out /tmp/p.json
+    PYTHONPATH=. python3 benchmarks/planner/bench_planner.py --quick --device cpu --out /tmp/p.json
 
 Model: ``offload._reference.ReferenceModel(8, 4096, 32, 14336)`` (the "ref-8L" of
-docs/measurements.md: Llama-style layers, fused QKV, causal SDPA, SwiGLU MLP, no RoPE),
+docs/performance.md: Llama-style layers, fused QKV, causal SDPA, SwiGLU MLP, no RoPE),
 bf16 weights, seed 0; ``--quick``: ``ReferenceModel(8, 64, 4, 128)``. A step is
 ``model.loss(x).backward()`` (no optimizer step) on a fresh ``x = torch.randn(1, 4096,
 4096)`` (``--quick``: ``(1, 32, 64)``) bf16 that does not require grad, drawn inside the
@@ -86,11 +86,11 @@ Columns of the targets table:
 * ``plan / best``: plan step ms / best single lever step ms; target <= 1.02 ("never more
   than 2% slower than the best single lever that fits");
 * ``A/B x none``: the plan against ``no lever`` measured in alternating blocks (step 4);
-* ``issue target``: 75%: plan ``A/B x none`` (``x none`` with ``--ab-rounds 0``) <= 1.02;
+* ``target``: 75%: plan ``A/B x none`` (``x none`` with ``--ab-rounds 0``) <= 1.02;
   50%: <= 1.07; 25%: <= 1.20; checkpoint every layer's memory: plan step ms <
   ``checkpoint 8`` step ms;
 * ``verdict``: ``pass`` when the plan fits, ``plan / best`` meets its target and the
-  issue target is met; ``FAIL`` otherwise (``n/a`` parts, as on the CPU, are left out);
+  budget's target is met; ``FAIL`` otherwise (``n/a`` parts, as on the CPU, are left out);
   ``FAIL (no plan)`` when ``optimize`` finds no plan within the budget.
 
 4. For the three fractional budgets, the plan and ``no lever`` again, in alternating
@@ -334,7 +334,7 @@ def best_single(rows: list[dict[str, Any]], budget: float) -> dict[str, Any] | N
 
 
 def judge(row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Fill the budget row's checks against the issue's targets and its verdict."""
+    """Fill the budget row's checks against the targets and its verdict."""
     measured = row.get("measured")
     checks: dict[str, bool | None] = {"fits": None, "vs_best": None, "target": None}
     if measured is None:  # no plan fits (optimize raised)
@@ -478,7 +478,7 @@ def print_report(result: dict[str, Any]) -> None:
         if r.get("measured") is None:
             console.print(f"{r['name']}: no plan: {r['error']}")
 
-    table = Table(title="against the issue's targets", title_justify="left")
+    table = Table(title="against the targets", title_justify="left")
     for col in (
         "budget",
         "plan x none",
@@ -486,7 +486,7 @@ def print_report(result: dict[str, Any]) -> None:
         "best single lever",
         "its x none",
         f"plan / best (<= {VS_BEST})",
-        "issue target",
+        "target",
         "verdict",
     ):
         table.add_column(col, justify="left" if col in ("budget", "best single lever") else "right")
@@ -531,7 +531,7 @@ def print_report(result: dict[str, Any]) -> None:
         "act peak: peak allocated during a step minus allocated before it (weights + "
         "gradients); x none: ratio to 'no lever' of step 1; t err / m err: predicted / "
         "measured - 1; levers: o offload, S selective_offload, s selective, c checkpoint, C checkpoint_offload, . keep. Definitions: "
-        "header of benchmarks/bench_planner.py."
+        "header of benchmarks/planner/bench_planner.py."
     )
     if not env["device"].startswith("cuda"):
         console.print(

@@ -2,7 +2,7 @@
 
 Command (one CUDA GPU; under a minute on an H200):
 
-    PYTHONPATH=. python3 benchmarks/bench_moe_wgrad.py --out bench_moe_wgrad.json
+    PYTHONPATH=. python3 benchmarks/weights/bench_moe_wgrad.py --out benchmarks/results/moe_wgrad.json
 
 One MoE expert layer (the part whose weight gradients matter): 8 experts, hidden 4096,
 ffn 14336 (SwiGLU: fc1 4096 -> 2 x 14336, fc2 14336 -> 4096, no bias), 8192 tokens routed
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     out = {
-        "command": "PYTHONPATH=. python3 benchmarks/bench_moe_wgrad.py "
+        "command": "PYTHONPATH=. python3 benchmarks/weights/bench_moe_wgrad.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),

@@ -3,13 +3,13 @@ for inference and for LoRA-style training, as the tokens per layer call grow.
 
 Command (one GPU, default sizes; about a minute on an H200, well under 4 minutes)::
 
-    PYTHONPATH=. python3 benchmarks/bench_weights.py --out results/bench_weights.json
+    PYTHONPATH=. python3 benchmarks/weights/bench_weights.py --out benchmarks/results/weights.json
 
 CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few seconds)::
 
-    PYTHONPATH=. python3 benchmarks/bench_weights.py --quick --device cpu --out /tmp/w.json
+    PYTHONPATH=. python3 benchmarks/weights/bench_weights.py --quick --device cpu --out /tmp/w.json
 
-Model (docs/measurements.md, "ref-8L"): L = 8 ``offload._reference.ReferenceBlock``
+Model (docs/performance.md, "ref-8L"): L = 8 ``offload._reference.ReferenceBlock``
 layers (RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP with
 fused gate/up, residuals; no bias), hidden 4096, 32 heads, ffn 14336, bf16 weights:
 464 MiB of weights per layer, 3.62 GiB in all. Built once (seed 0); every row uses the
@@ -56,7 +56,7 @@ Also measured and printed: pinned memcpy bandwidth (256 MiB and 1 GiB, each dire
 ``none`` output bitwise (``same_output``, JSON only). Every raw time is in the JSON.
 
 The physics: one layer's 464 MiB take ~8.9 ms at ~55 GB/s, against F = 3.33 ms and B =
-7.26 ms at 4096 tokens (docs/measurements.md): the copies hide behind the compute only
+7.26 ms at 4096 tokens (docs/performance.md): the copies hide behind the compute only
 when a layer call has about 3x as many tokens (more for inference, which has no
 backward to hide the copies of the backward behind).
 """
@@ -282,7 +282,7 @@ def print_report(result: dict[str, Any]) -> None:
         "ratio to the none row of the same mode and tokens; model ms: overlap prediction "
         "from F, B of the none row and T = layer bytes / pinned H2D; saved GiB: peak of "
         "none - peak of the row; off GiB: weights never on the GPU during the step. "
-        "Definitions: header of benchmarks/bench_weights.py."
+        "Definitions: header of benchmarks/weights/bench_weights.py."
     )
 
 
