@@ -148,7 +148,9 @@ def test_docs_have_python_blocks_and_marks_only_before_them() -> None:
         for i, line in enumerate(lines):
             if line.strip() == GPU_ONLY:
                 following = next((ln for ln in lines[i + 1 :] if ln.strip()), "")
-                assert following.startswith("```python"), f"{page.name}:{i + 1}: mark not before a block"
+                assert following.startswith("```python"), (
+                    f"{page.name}:{i + 1}: mark not before a block"
+                )
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)

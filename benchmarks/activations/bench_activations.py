@@ -98,6 +98,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
 from benchmarks._common import (
     GIB,
     Timer,
@@ -109,10 +113,6 @@ from benchmarks._common import (
     synchronize,
     write_json,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import offload
 from offload.profiling import format_bytes
 
 DTYPE = torch.bfloat16

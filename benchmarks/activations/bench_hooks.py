@@ -64,10 +64,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from benchmarks._common import environment, median, synchronize, write_json
 from torch import nn
 
 import offload
+from benchmarks._common import environment, median, synchronize, write_json
 
 
 class SinLayer(nn.Module):

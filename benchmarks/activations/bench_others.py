@@ -228,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         del runner
         bench.free()
     for row in measured:
-        ref = next(r for r in measured if r["method"] == "none" and r.get("cloned") == row.get("cloned"))
+        ref = next(
+            r for r in measured if r["method"] == "none" and r.get("cloned") == row.get("cloned")
+        )
         row["ratio_to_none"] = row["step_ms_median"] / ref["step_ms_median"]
     print(f"{'row':<48}{'step ms':>9}{'x none':>8}{'act GiB':>9}")
     for row in measured:

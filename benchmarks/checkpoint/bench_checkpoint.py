@@ -82,11 +82,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import offload
+from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json
 from offload._reference import ReferenceBlock
 from offload.profiling import format_bytes
 

@@ -51,8 +51,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from benchmarks._common import Timer, environment, gbps, median, pinned_bandwidth, synchronize, write_json
 
+from benchmarks._common import (
+    Timer,
+    environment,
+    gbps,
+    median,
+    pinned_bandwidth,
+    synchronize,
+    write_json,
+)
 from offload import _compress as codec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

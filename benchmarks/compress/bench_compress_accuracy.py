@@ -139,10 +139,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchmarks._common import Timer, environment, free_cached, synchronize, write_json
 from torch import nn
 
 import offload
+from benchmarks._common import Timer, environment, free_cached, synchronize, write_json
 from offload._reference import ReferenceModel
 from offload.profiling import format_bytes
 

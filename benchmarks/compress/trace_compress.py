@@ -22,9 +22,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from benchmarks._common import union_length
 
 import offload
+from benchmarks._common import union_length
 from offload._reference import ReferenceModel
 
 

@@ -29,9 +29,9 @@ import time
 from typing import Any
 
 import torch
-from benchmarks._common import environment, levers_of, write_json
 
 import offload
+from benchmarks._common import environment, levers_of, write_json
 from offload import _compress, _device, _host_pool, _scheduler, activations
 from offload._reference import ReferenceModel
 

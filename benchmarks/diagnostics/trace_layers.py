@@ -32,9 +32,9 @@ import sys
 from typing import Any
 
 import torch
-from benchmarks._common import environment, free_cached, levers_of, write_json
 
 import offload
+from benchmarks._common import environment, free_cached, levers_of, write_json
 from offload import _device
 from offload._reference import ReferenceModel
 

@@ -31,9 +31,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from benchmarks._common import environment, levers_of, union_length, write_json
 
 import offload
+from benchmarks._common import environment, levers_of, union_length, write_json
 from offload._reference import ReferenceModel
 
 

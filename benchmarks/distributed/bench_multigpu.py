@@ -112,11 +112,11 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json  # noqa: E402
-from benchmarks.distributed.bench_multigpu_memcpy import numa_node  # noqa: E402
 from torch import nn  # noqa: E402
 
 import offload  # noqa: E402
+from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json  # noqa: E402
+from benchmarks.distributed.bench_multigpu_memcpy import numa_node  # noqa: E402
 from offload._host_pool import default_host_limit  # noqa: E402
 from offload._reference import ReferenceModel  # noqa: E402
 from offload.profiling import format_bytes  # noqa: E402

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from benchmarks._common import GIB, environment, median, write_json
-from benchmarks.activations.bench_activations import DTYPE, PRESETS, Block, loss_of
 from torch import nn
 
 import offload
+from benchmarks._common import GIB, environment, median, write_json
+from benchmarks.activations.bench_activations import DTYPE, PRESETS, Block, loss_of
 
 
 def _k(text: str) -> int | str:

@@ -127,6 +127,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+import offload
 from benchmarks._common import (
     GIB,
     LEVER_LETTERS,
@@ -137,8 +139,6 @@ from benchmarks._common import (
     synchronize,
     write_json,
 )
-
-import offload
 from offload._planner import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts, optimize
 from offload._reference import ReferenceModel
 from offload.profiling import format_bytes

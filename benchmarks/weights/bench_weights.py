@@ -71,6 +71,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+import offload
 from benchmarks._common import (
     GIB,
     Timer,
@@ -81,9 +84,6 @@ from benchmarks._common import (
     synchronize,
     write_json,
 )
-from torch import nn
-
-import offload
 from offload._reference import ReferenceBlock
 
 DTYPE = torch.bfloat16
