@@ -1,8 +1,8 @@
 """Helpers shared by the benchmark scripts: timing, host-link bandwidth, copy times from
 the profiler, the environment record and JSON output.
 
-Scripts import this module as ``_common`` (their own folder is first on ``sys.path``
-when they run as ``python3 benchmarks/<script>.py``).
+Scripts import it as ``benchmarks._common``: run them from the repository root with
+``PYTHONPATH=.`` (``PYTHONPATH=. python3 benchmarks/<topic>/<script>.py``).
 """
 
 from __future__ import annotations

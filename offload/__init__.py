@@ -1,7 +1,28 @@
-"""offload: move what a training step keeps alive on the GPU into pinned host memory.
+"""offload: move what a training step keeps for the backward into pinned host memory.
 
-Importing this package touches no CUDA state: no streams, events or pinned memory are
-created until the first forward that offloads something.
+Wrap the forward in an offloader: the tensors autograd saves inside the given layers are
+copied to host memory on side streams while the device computes, and come back during
+the backward, one layer ahead of need. Gradients are bitwise those without offloading.
+
+Example:
+    >>> import torch, offload
+    >>> layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
+    >>> offloader = offload.ActivationOffloader(layers, offload_layers="all")
+    >>> x = torch.randn(256, 512, requires_grad=True)
+    >>> with offloader:                    # the forward only
+    ...     y = x
+    ...     for layer in layers:
+    ...         y = layer(y).relu()
+    >>> y.sum().backward()                 # reloads happen here
+    >>> offloader.stats.bytes_offloaded > 0
+    True
+    >>> offloader.close()
+
+Also: ``attach`` (loops you do not own), ``WeightOffloader``, ``checkpoint``, ``plan``,
+``compress="fp8"``, ``make_graphed_callables``, ``get_cpu_offload_context``
+(TransformerEngine's API), ``profile_step``, and the ``offload`` command. Importing the
+package touches no CUDA state: no streams, events or pinned memory are created until the
+first forward that offloads something.
 """
 
 from offload import integrations, main_grad, nn

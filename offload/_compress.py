@@ -144,7 +144,7 @@ HALF: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
 
 TILING: dict[str, tuple[int, int]] = {"quantize": (32, 8), "dequantize": (8, 4)}
 """Per Triton kernel: (blocks of :data:`BLOCK` elements handled by one program, warps per
-program). Measured on an H200 over a 704 MiB bf16 span (``benchmarks/bench_codec.py
+program). Measured on an H200 over a 704 MiB bf16 span (``benchmarks/compress/bench_codec.py
 --sweep``: 8 to 64 blocks, 4 or 8 warps): quantize 0.52 ms at (32, 8) against 0.69 ms at
 the former (32, 4); dequantize 0.32 ms at (8, 4) against 0.35 ms."""
 

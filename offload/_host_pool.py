@@ -2,7 +2,7 @@
 
 One :class:`HostPool` per offloader. It asks the system for memory only in slabs whose
 size is a power of two (PyTorch's caching host allocator rounds every pinned block up
-to a power of two, so any other size would pin memory we cannot use and would make
+to a power of two, so any other size would pin memory that goes unused and would make
 ``reserved_bytes`` lie). Inside a slab, blocks are carved best-fit from a free list
 aligned to :data:`ALIGN` bytes and merged with their neighbours when freed, so a step
 whose shapes differ from the last one reuses the same slabs instead of growing the

@@ -1196,7 +1196,7 @@ class Step:
         if start % itemsize or end % itemsize:
             return None
         flt = self.cfg.compress_filter
-        if flt is None:  # the default: 16-bit floats only (README, "Compressed offload")
+        if flt is None:  # the default: 16-bit floats only (docs/compress.md)
             return dtype if dtype in _compress.HALF else None
         return dtype if flt(t) else None
 

@@ -52,7 +52,7 @@ class OffloadConfig:
         host_memory_limit: bytes of host memory the pool may hold; ``None`` (default) is
             half of the available memory divided by ``LOCAL_WORLD_SIZE``.
         double_buffering: reuse reload buffers between groups of equal tensor signature
-            during one backward. Default ``False`` (see README, "Double buffering").
+            during one backward. Default ``False`` (docs/decisions.md has the measurement).
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps the tensor on the
             device (reason ``filtered``). Default ``None`` (no filter).
         max_slowdown: the step-time increase ``"auto"`` may spend, as a fraction of the
@@ -65,8 +65,8 @@ class OffloadConfig:
             bytes of bf16, a quarter of fp32), quantized on the device before the copy
             and dequantized after the reload; integer, bool and fp8 tensors travel
             unchanged, and so do fp32 ones unless ``compress_filter`` says
-            otherwise. The per-element error bound and measured accuracy are in the
-            README ("Compressed offload").
+            otherwise. The per-element error bound and measured accuracy are in
+            docs/compress.md.
         compress_filter: ``callable(tensor) -> bool``: with ``compress="fp8"``, ``True``
             compresses a floating tensor, ``False`` sends it exactly. Default ``None``:
             bf16 and fp16 tensors are compressed, fp32 ones travel exactly (in mixed

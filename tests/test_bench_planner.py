@@ -1,4 +1,4 @@
-"""``benchmarks/bench_planner.py`` on the CPU: the script runs end to end (a smoke run
+"""``benchmarks/planner/bench_planner.py`` on the CPU: the script runs end to end (a smoke run
 with tiny sizes) and its A/B measurement and verdicts follow its module docstring."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(ROOT))  # benchmarks.* imports as a package from the root
     try:
-        import bench_planner
+        from benchmarks.planner import bench_planner
 
         yield bench_planner
     finally:
-        sys.path.remove(str(BENCH))
+        sys.path.remove(str(ROOT))
 
 
 def test_smoke_run_measures_each_budget_against_no_lever_in_blocks(bench, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_planner_models.py`` on the CPU: a smoke run with tiny sizes (the
+"""``benchmarks/planner/bench_planner_models.py`` on the CPU: a smoke run with tiny sizes (the
 cost model synthetic: ``offload.plan`` needs CUDA) whose JSON follows the script's
 docstring: per budget, no lever, the plan and the best single lever in alternating
 blocks, and the ratios computed from the pooled steps."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "planner"
 
 
 @pytest.fixture(scope="module")

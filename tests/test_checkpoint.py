@@ -599,7 +599,7 @@ def test_bench_checkpoint_quick_cpu(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/bench_checkpoint.py",
+            "benchmarks/checkpoint/bench_checkpoint.py",
             "--quick",
             "--device",
             "cpu",

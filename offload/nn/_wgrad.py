@@ -23,7 +23,7 @@ Which GEMM writes it (``gemm_wgrad_into``):
   The overload is documented as CUDA-only, and some torch versions' kernel required
   ``self`` in the operands' dtype, so it is probed once per device and dtype (see
   ``_fp32_out_gemm_mode``); if it is refused, ``torch.baddbmm(..., out_dtype)`` on
-  unsqueezed views does the same job; only if both are refused do we fall back.
+  unsqueezed views does the same job; only if both are refused is the fallback used.
 - fallback (CPU, where the ``out_dtype`` overloads have no kernel, and any device that
   refuses both): dW is computed in the operands' dtype (exactly what ``nn.Linear``'s
   ``.grad`` would be) and added into / copied to the buffer. This materialises one

@@ -1,0 +1,1 @@
+"""Benchmark scripts by topic; each script's docstring gives its command (see README.md)."""

@@ -1,0 +1,1 @@
+"""Offloaded checkpointing against torch's checkpoint."""

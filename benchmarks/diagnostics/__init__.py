@@ -1,0 +1,1 @@
+"""Diagnostics that feed no published table (see README.md)."""

@@ -1,0 +1,1 @@
+"""Several GPUs of one host: the link per GPU and FSDP2 with offloading."""

@@ -1,0 +1,1 @@
+"""Offloading inside CUDA graphs."""

@@ -1,0 +1,1 @@
+"""The planner (offload.plan) on ref-8L."""

@@ -1,0 +1,1 @@
+"""Weight offloading and fused weight-gradient accumulation."""

@@ -1,0 +1,168 @@
+"""The code in the documentation runs as written.
+
+* README.md: its first Python snippet (the first example a reader tries), on the CPU and,
+  on a CUDA machine, on the GPU.
+* docs/*.md: every ```python block of a page, in order, in one namespace per page (a
+  page's later blocks use what its first ones made). A block preceded by the line
+  ``<!-- gpu-only -->`` runs only in the GPU variant of the test.
+
+Each page runs in a subprocess from a temporary directory (files a block writes land
+there), with the repository root on ``PYTHONPATH``; the CPU variant hides the GPUs
+(``CUDA_VISIBLE_DEVICES=""``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GPU_ONLY = "<!-- gpu-only -->"
+TIMEOUT = 300  # seconds per page
+_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+# Runs the blocks of one page in one namespace; names the block that failed.
+_RUNNER = """
+import json, sys, traceback
+blocks = json.load(open(sys.argv[1]))
+namespace = {"__name__": "__main__"}
+for block in blocks:
+    try:
+        exec(compile(block["code"], f"{block['page']}:{block['line']}", "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED: the block of {block['page']} at line {block['line']}", file=sys.stderr)
+        sys.exit(1)
+print(f"ran {len(blocks)} block(s)")
+"""
+
+
+def python_blocks(path: Path) -> list[dict]:
+    """The ```python blocks of a Markdown file: code, line of the fence, GPU-only mark."""
+    text = path.read_text()
+    blocks = []
+    for match in _FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        before = [ln.strip() for ln in text[: match.start()].splitlines() if ln.strip()]
+        blocks.append(
+            {
+                "code": match.group(1),
+                "line": line,
+                "page": str(path.relative_to(ROOT)),
+                "gpu_only": bool(before) and before[-1] == GPU_ONLY,
+            }
+        )
+    return blocks
+
+
+def _pages() -> list[Path]:
+    return sorted(p for p in DOCS.glob("*.md") if python_blocks(p))
+
+
+def _missing_packages(block: dict) -> list[str]:
+    """Optional packages (the ``dev`` and ``plot`` extras) a block imports or needs and
+    this environment lacks."""
+    code = block["code"]
+    wanted = {"transformers", "accelerate", "matplotlib"}
+    used = {name for name in wanted if re.search(rf"^\s*(from|import) {name}\b", code, re.M)}
+    if "transformers.Trainer" in code:
+        used.add("accelerate")
+    if ".plot(" in code:
+        used.add("matplotlib")
+    return sorted(name for name in used if importlib.util.find_spec(name) is None)
+
+
+def run_blocks(blocks: list[dict], tmp_path: Path, *, cuda: bool) -> str:
+    """Run ``blocks`` in one subprocess; fail with its output unless it exits with 0.
+
+    Blocks that need an optional package this environment lacks are left out (they come
+    last on their pages); when that leaves none, the test is skipped."""
+    runnable = [b for b in blocks if not _missing_packages(b)]
+    if not runnable:
+        missing = sorted({name for b in blocks for name in _missing_packages(b)})
+        pytest.skip(f"needs {', '.join(missing)}")
+    blocks = runnable
+    spec = tmp_path / "blocks.json"
+    spec.write_text(json.dumps(blocks))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(spec)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, (
+        f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
+    return proc.stdout
+
+
+# ---- README.md ------------------------------------------------------------------------
+
+
+def _readme_first_block() -> dict:
+    blocks = python_blocks(ROOT / "README.md")
+    assert blocks, "README.md has no ```python block"
+    return blocks[0]
+
+
+def test_readme_first_snippet_runs_on_cpu(tmp_path: Path) -> None:
+    block = _readme_first_block()
+    assert not block["gpu_only"], "the README's first example must run on a CPU"
+    out = run_blocks([block], tmp_path, cuda=False)
+    assert re.search(r"offloaded [1-9][\d.]* MiB", out), out  # it printed a saving
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_readme_first_snippet_runs_on_gpu(tmp_path: Path) -> None:
+    out = run_blocks([_readme_first_block()], tmp_path, cuda=True)
+    assert re.search(r"offloaded [1-9][\d.]* MiB", out), out
+
+
+# ---- docs/ ----------------------------------------------------------------------------
+
+
+def test_docs_have_python_blocks_and_marks_only_before_them() -> None:
+    pages = _pages()
+    assert len(pages) >= 8, [p.name for p in pages]
+    for page in DOCS.glob("*.md"):
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == GPU_ONLY:
+                following = next((ln for ln in lines[i + 1 :] if ln.strip()), "")
+                assert following.startswith("```python"), (
+                    f"{page.name}:{i + 1}: mark not before a block"
+                )
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
+def test_docs_blocks_run_on_cpu(page: Path, tmp_path: Path) -> None:
+    blocks = [b for b in python_blocks(page) if not b["gpu_only"]]
+    if not blocks:
+        pytest.skip(f"{page.name}: every block is GPU-only")
+    run_blocks(blocks, tmp_path, cuda=False)
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_docs_blocks_run_on_gpu(page: Path, tmp_path: Path) -> None:
+    run_blocks(python_blocks(page), tmp_path, cuda=True)
