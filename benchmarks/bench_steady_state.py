@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offload  # noqa: E402
-from offload._scheduler import Step  # noqa: E402
+from offload._step import Step  # noqa: E402
 
 
 class Block(nn.Module):

@@ -17,7 +17,10 @@ from offload._auto_policy import AutoPolicy
 from offload._diagnose import CallOrder, saved_elsewhere
 from offload._handles import unpack_hook
 from offload._plan import Schedule, check_selection, plan_forward
-from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
+from offload._runtime import Runtime
+from offload._runtime import enter_no_offload as _enter_no_offload
+from offload._runtime import exit_no_offload as _exit_no_offload
+from offload._step import Step
 from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
 from offload.profiling import OffloadStats
