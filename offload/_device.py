@@ -10,8 +10,8 @@ Two backends implement the same small interface:
   is ``None``.
 
 Numbers like 4.1(a) refer to the ordering invariants of ``docs/design.md``, section 4.
-The scheduler (``_scheduler.py``) decides *when* to copy, release and reload; this
-module only says *how*. See ``# Note [release order]`` in ``_scheduler.py`` for why each
+The step (``_step.py``) decides *when* to copy, release and reload; this
+module only says *how*. See ``# Note [release order]`` in ``_step.py`` for why each
 wait is where it is.
 """
 
@@ -209,7 +209,7 @@ class _Staging:
     changes a wait already queued.
     """
 
-    __slots__ = ("buffer", "slot_bytes", "turn", "used", "count", "filled", "drained")
+    __slots__ = ("buffer", "count", "drained", "filled", "slot_bytes", "turn", "used")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -266,12 +266,9 @@ class _Staging:
         return self.buffer[start : start + nbytes], i  # type: ignore[index]
 
 
-#: Staging slots per direction of compressed copies (:class:`_Staging`). Two let a codec
-#: kernel overlap the previous chunk's copy, but a kernel that starts late (queued beside
-#: the compute's kernels) then leaves the link idle: on an H200, ref-8L with
-#: ``compress="fp8"`` measured 1.44-1.47x at k=7 with two slots (four runs) and
-#: 1.30-1.31x with four, six or eight (six runs); k=4 1.11-1.17x with two, 1.08-1.09x
-#: with four.
+#: Staging slots per direction of compressed copies (:class:`_Staging`). Two would let a
+#: codec kernel overlap the previous chunk's copy, but a kernel that starts late (queued
+#: beside the compute's kernels) then leaves the link idle; four absorb that delay.
 #: Each slot holds one packed chunk (about 33 MiB: ``CHUNK_ELEMENTS``).
 STAGING_SLOTS = 4
 
@@ -280,10 +277,9 @@ _SLOT_ROUND = 1 << 20
 
 #: Elements per chunk of a compressed copy (a multiple of the codec's block): a large
 #: tensor passes through the staging slots in chunks, so a slot holds at most
-#: ``packed_nbytes(CHUNK_ELEMENTS)`` (about 33 MiB; 8 Mi elements were measured slower
-#: on an H200: the host time of issuing each chunk's kernel, events and copy, about
-#: 0.1 ms, then paced the forward) and each chunk's codec kernel
-#: overlaps the previous chunk's copy.
+#: ``packed_nbytes(CHUNK_ELEMENTS)`` (about 33 MiB; smaller chunks make the host time of
+#: issuing each chunk's kernel, events and copy pace the forward) and each chunk's codec
+#: kernel overlaps the previous chunk's copy.
 CHUNK_ELEMENTS = 32 << 20
 
 

@@ -2,7 +2,7 @@
 
 A whole training step captured in one graph needs nothing from this module: enter the
 offloader inside the capture and every copy, event and wait is recorded into the graph
-(``# Note [release order]``, "CUDA graphs", in ``offload/_scheduler.py``). Per-layer
+(``# Note [release order]``, "CUDA graphs", in ``offload/_step.py``). Per-layer
 graphs are different: each layer's forward and backward are separate graphs, so no
 copy may cross from one layer's graph into the next. :func:`make_graphed_callables`
 captures each offloaded layer call as a forward of one group that joins its copies at
@@ -18,7 +18,7 @@ import torch
 from offload import _device
 from offload._handles import Kept, unpack_hook
 from offload._plan import Schedule, plan_forward
-from offload._scheduler import Step
+from offload._step import Step
 from offload.profiling import OffloadStats
 
 __all__ = ["make_graphed_callables"]

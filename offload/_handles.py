@@ -31,7 +31,10 @@ import torch
 from offload import _packing
 
 if TYPE_CHECKING:
-    from offload._scheduler import Step, _Bucket, _Copy, _Group
+    from offload._group import Group as _Group
+    from offload._saves import _Bucket
+    from offload._step import Step
+    from offload._transfer import HostCopy as _Copy
 
 __all__ = [
     "Held",
@@ -121,7 +124,7 @@ class Gathered(Offloaded):
     """An :class:`Offloaded` small contiguous tensor whose bytes travelled in a bucket:
     one host block, one D2H and one H2D copy shared by the small tensors of one dtype
     saved together in a layer call (Note [release order], 1(b)). ``copy`` is the bucket
-    (``_scheduler._Bucket``), ``index`` the tensor's number in it (its in-place poison
+    (``_saves._Bucket``), ``index`` the tensor's number in it (its in-place poison
     is recorded under it) and ``offset`` its first element in the bucket (elements of
     ``dtype``, the bucket's).
 

@@ -17,7 +17,10 @@ from offload._auto_policy import AutoPolicy
 from offload._diagnose import CallOrder, saved_elsewhere
 from offload._handles import unpack_hook
 from offload._plan import Schedule, check_selection, plan_forward
-from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
+from offload._runtime import Runtime
+from offload._runtime import enter_no_offload as _enter_no_offload
+from offload._runtime import exit_no_offload as _exit_no_offload
+from offload._step import Step
 from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
 from offload.profiling import OffloadStats
@@ -151,7 +154,7 @@ class ActivationOffloader:
     offloader is entered inside the capture; replays then run its copies with no Python.
     For per-layer graphs use :func:`offload.make_graphed_callables`.
 
-    Invariants (``# Note [release order]`` in ``offload/_scheduler.py`` says why each
+    Invariants (``# Note [release order]`` in ``offload/_step.py`` says why each
     holds): a copy never starts before the kernel that produced its bytes; a device block
     is never freed before its copy finished; a reloaded tensor is never read before its
     copy finished; host memory comes from a pool of slabs reused across steps; nothing

@@ -406,7 +406,7 @@ def test_waits_and_events_in_order(monkeypatch) -> None:
     into the pool waits for the newest reload (4.1(d)); a prefetched buffer that is
     never used is waited for before it is dropped (4.1(e))."""
     log: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(offload._checkpoint, "backend_for", lambda d: _EventLog(d, log))
+    monkeypatch.setattr(offload._runtime, "backend_for", lambda d, _stream=None: _EventLog(d, log))
     off = offload.CheckpointOffloader(min_tensor_bytes=0, prefetch_layers=2)
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(3))
     for i, layer in enumerate(layers):

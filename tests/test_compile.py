@@ -26,7 +26,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import offload
-from offload._checkpoint import _HostCopy, _Record
+from offload._checkpoint_call import Record as _Record
+from offload._checkpoint_call import _CallCopy as _HostCopy
 from offload._handles import Gathered, Offloaded
 from tests import models
 from tests.models import assert_same

@@ -16,7 +16,8 @@ import offload
 from offload import _compress
 from offload._handles import unpack_hook
 from offload._plan import make_plan
-from offload._scheduler import Runtime, Step
+from offload._runtime import Runtime
+from offload._step import Step
 from offload.config import OffloadConfig
 from tests import models
 from tests.models import assert_same, step, twin

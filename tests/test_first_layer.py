@@ -1,4 +1,4 @@
-"""The step's first layer call places its saves at its close (offload/_scheduler.py,
+"""The step's first layer call places its saves at its close (offload/_saves.py,
 Note [release order], 1(c)), and the offloader prepares the next forward's Step when a
 forward ends. Every test compares against the model without offloading with
 ``torch.equal`` and checks that the first layer really was offloaded."""

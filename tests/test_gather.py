@@ -1,4 +1,4 @@
-"""Gathered copies (offload/_scheduler.py, Note [release order], 1(b)): the small
+"""Gathered copies (offload/_saves.py, Note [release order], 1(b)): the small
 contiguous tensors of one layer call and dtype travel in one bucket, one copy each way.
 Every test compares against the model without offloading with ``torch.equal`` and
 checks that the bucket path was taken."""
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import offload
-from offload import _scheduler
+from offload import _saves, _transfer
 from offload._handles import Gathered, Pending
-from offload._scheduler import _Bucket
+from offload._saves import _Bucket
 
 from . import models
 
@@ -71,8 +71,8 @@ def test_small_tensors_share_one_copy_per_layer_and_dtype() -> None:
 
 
 def test_bucket_grows_in_place_and_seals_at_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scheduler, "_GATHER_FIRST_BYTES", 4096)
-    monkeypatch.setattr(_scheduler, "_GATHER_BUCKET_BYTES", 16384)
+    monkeypatch.setattr(_saves, "_GATHER_FIRST_BYTES", 4096)
+    monkeypatch.setattr(_saves, "_GATHER_BUCKET_BYTES", 16384)
     torch.manual_seed(0)
     layers = nn.ModuleList(ManySmall(40) for _ in range(2))  # 40 x 1 KiB per layer
     ref = models.twin(layers)
@@ -201,7 +201,7 @@ def test_exception_in_a_layer_returns_an_open_bucket() -> None:
 
 
 def test_bucket_is_a_copy_for_the_rest_of_the_scheduler() -> None:
-    assert issubclass(_Bucket, _scheduler._Copy)
+    assert issubclass(_Bucket, _transfer.HostCopy)
 
 
 def test_no_buckets_under_compression_or_manual_synchronization() -> None:

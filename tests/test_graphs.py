@@ -218,17 +218,17 @@ def test_layer_capture_each_layer_is_self_contained(capturing: list[bool]) -> No
     off = offload.ActivationOffloader(layers, offload_layers=[0, 2, 3], min_tensor_bytes=0)
     capturing[0] = True
     released: list[int] = []
-    original = offload._scheduler.Step._release
+    original = offload._step.Step._release
 
     def spy(self, group):
         released.append(len(group.device_refs))
         return original(self, group)
 
-    offload._scheduler.Step._release = spy  # type: ignore[method-assign]
+    offload._step.Step._release = spy  # type: ignore[method-assign]
     try:
         got = _graphed_by_hand(layers, x, off)
     finally:
-        offload._scheduler.Step._release = original  # type: ignore[method-assign]
+        offload._step.Step._release = original  # type: ignore[method-assign]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     stats = off.stats

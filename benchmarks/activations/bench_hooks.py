@@ -210,7 +210,8 @@ def pack_unpack_direct(
     """
     from offload._handles import unpack_hook
     from offload._plan import make_plan
-    from offload._scheduler import Runtime, Step
+    from offload._runtime import Runtime
+    from offload._step import Step
     from offload.config import OffloadConfig
 
     runtime = Runtime(OffloadConfig(min_tensor_bytes=0))

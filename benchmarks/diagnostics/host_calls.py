@@ -32,12 +32,12 @@ import torch
 
 import offload
 from benchmarks._common import environment, levers_of, write_json
-from offload import _compress, _device, _host_pool, _scheduler, activations
+from offload import _compress, _device, _host_pool, _step, activations
 from offload._reference import ReferenceModel
 
 TIMED: list[tuple[Any, list[str]]] = [
-    (_scheduler.Step, ["pack", "_place", "_copy", "_flush_d2h", "open_group", "close_group"]),
-    (_scheduler.Step, ["_release", "finish_forward"]),
+    (_step.Step, ["pack", "_place", "_copy", "_flush_d2h", "open_group", "close_group"]),
+    (_step.Step, ["_release", "finish_forward"]),
     (_host_pool.HostPool, ["allocate"]),
     (_device.CudaBackend, ["d2h", "h2d", "wait", "record_d2h"]),
     (_device._Staging, ["slot"]),

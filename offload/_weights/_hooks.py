@@ -15,7 +15,7 @@ from torch import nn
 
 from offload import _packing
 from offload._dynamo import eager
-from offload._scheduler import in_backward as _in_backward
+from offload._runtime import in_backward as _in_backward
 
 if TYPE_CHECKING:
     from offload._weights._residency import _Layers, _WeightSlot
