@@ -21,7 +21,7 @@ from offload.activations import (
     start_offload,
 )
 from offload.config import OffloadConfig
-from offload.integrations.hf import find_layers
+from offload._layers import find_layers
 from offload.profiling import LayerStats, OffloadStats
 from offload.weights import WeightOffloader
 
