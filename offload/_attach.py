@@ -17,7 +17,7 @@ from offload import _dynamo
 if TYPE_CHECKING:
     from offload.activations import ActivationOffloader
 
-__all__ = ["AttachHandle"]
+__all__ = ["AttachHandle", "LayerHooks"]
 
 
 def attach(offloader: ActivationOffloader, model: torch.nn.Module) -> AttachHandle:
@@ -29,9 +29,7 @@ def attach(offloader: ActivationOffloader, model: torch.nn.Module) -> AttachHand
         )
     # Weak references: the model's hooks keep a handle alive, and a strong reference
     # back from the offloader would make a cycle only the garbage collector frees.
-    attachments: list[weakref.ref[AttachHandle]] = offloader.__dict__.setdefault(
-        "_attachments", []
-    )
+    attachments: list[weakref.ref[AttachHandle]] = offloader.__dict__.setdefault("_attachments", [])
     attachments[:] = [r for r in attachments if r() is not None]
     for ref in attachments:
         other = ref()
@@ -54,6 +52,57 @@ def detach(offloader: ActivationOffloader) -> None:
             handle.remove()
 
 
+class LayerHooks:
+    """The offloader's two hooks on each of its layers: a forward pre-hook and a forward
+    hook. ``with offloader:`` registers them at entry and removes them at exit (nothing
+    of the offloader stays on the modules); while the offloader is attached to a model
+    they stay registered between forwards (outside a forward they return at once),
+    which takes their registration off the step's start. They are made from the bound
+    methods at each registration, so this object holds no reference to the offloader.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self._modules = list(dict.fromkeys(layers))  # each module once, in order
+        self._handles: list[Any] = []
+        #: attachments that keep the hooks registered between forwards
+        self._holders = 0
+
+    def add(self, start: Callable[..., None], end: Callable[..., None]) -> None:
+        """Register the hooks (``start`` before each layer, ``end`` after it), unless
+        they are registered already."""
+        if self._handles:
+            return
+        for module in self._modules:
+            self._handles.append(
+                module.register_forward_pre_hook(_ModuleHook(start), with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(_ModuleHook(end), with_kwargs=True))
+
+    def release(self) -> None:
+        """A forward ended: remove the hooks unless an attachment holds them."""
+        if not self._holders:
+            self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def hold(
+        self, hold: bool, start: Callable[..., None], end: Callable[..., None], idle: bool
+    ) -> None:
+        """An attachment starts (``hold``) or stops keeping the hooks registered; the
+        last one to stop removes them when no forward is running (``idle``; else the
+        forward's exit does)."""
+        if hold:
+            self._holders += 1
+            self.add(start, end)
+            return
+        self._holders -= 1
+        if not self._holders and idle:
+            self.remove()
+
+
 class AttachHandle:
     """What :meth:`ActivationOffloader.attach` returns: the two hooks on the model.
 
@@ -61,6 +110,23 @@ class AttachHandle:
     removes them. ``model`` is the attached module (``None`` once it was garbage
     collected), ``removed`` whether :meth:`remove` ran. Copies of the model
     (``copy.deepcopy``, pickling) are not attached: their copies of the hooks do nothing.
+
+    Args:
+        offloader: the :class:`ActivationOffloader` entered around each forward.
+        model: the module whose forward runs the offloader's layers.
+
+    Made by :meth:`ActivationOffloader.attach`, which checks its arguments (its
+    ``Raises`` apply); this constructor raises nothing of its own.
+
+    Example:
+        >>> import offload
+        >>> layers = [torch.nn.Linear(512, 512) for _ in range(2)]
+        >>> offloader = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        >>> with offloader.attach(torch.nn.Sequential(*layers)) as handle:
+        ...     handle.removed
+        False
+        >>> handle.removed
+        True
     """
 
     def __init__(self, offloader: ActivationOffloader, model: torch.nn.Module) -> None:

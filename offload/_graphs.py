@@ -1,13 +1,8 @@
-"""Offloading inside per-layer CUDA graphs (``torch.cuda.make_graphed_callables``).
-
-A whole training step captured in one graph needs nothing from this module: enter the
-offloader inside the capture and every copy, event and wait is recorded into the graph
-(``# Note [release order]``, "CUDA graphs", in ``offload/_scheduler.py``). Per-layer
-graphs are different: each layer's forward and backward are separate graphs, so no
-copy may cross from one layer's graph into the next. :func:`make_graphed_callables`
-captures each offloaded layer call as a forward of one group that joins its copies at
-its own end and reloads them at the start of its own backward graph.
-"""
+"""Offloading inside per-layer CUDA graphs: :func:`make_graphed_callables` captures each
+offloaded layer call as a one-group forward that joins its copies at its own end and
+reloads them at the start of its own backward graph, so no copy crosses from one layer's
+graph into the next. A whole step captured in one graph needs nothing from here: enter
+the offloader inside the capture (``# Note [release order]``, "CUDA graphs")."""
 
 from __future__ import annotations
 

@@ -180,6 +180,21 @@ class ManualOffloadSynchronizer:
         RuntimeError: the layer has not run yet in that forward, or is still running
             (inside its ``with`` block); or the call is out of order (a second start, a
             release before the start, a reload before the release).
+
+    Args:
+        ctx: the manual context it drives (made by :func:`get_cpu_offload_context`,
+            which returns both).
+
+    Example:
+        >>> import offload
+        >>> ctx, sync, sched = offload.get_cpu_offload_context(
+        ...     True, model_layers=1, manual_synchronization=True)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> with ctx:
+        ...     y = torch.nn.Linear(8, 8)(x)
+        >>> y = sync(y)
+        >>> sched.state(0)
+        'saved'
     """
 
     def __init__(self, ctx: _ManualContext) -> None:

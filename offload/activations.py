@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from offload import _attach, _context, _device
+from offload._attach import AttachHandle, LayerHooks
 from offload._auto_policy import AutoPolicy
 from offload._diagnose import CallOrder, saved_elsewhere
-from offload._attach import AttachHandle, _ModuleHook
 from offload._handles import unpack_hook
 from offload._manual import _prune
-from offload._plan import Schedule, check_selection, plan_forward
+from offload._plan import check_selection, plan_forward
 from offload._scheduler import Runtime, Step, _enter_no_offload, _exit_no_offload
 from offload._warn import warn_at_caller
 from offload.config import LayerSelection, OffloadConfig
@@ -28,6 +28,18 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 #: the thread-local behind ``_context.owner()``, read directly in the per-layer hooks
 _ACTIVE = _context.active
+
+_NO_FORWARD_YET = (
+    "offload: no forward has run under this offloader yet, so there is nothing to "
+    "report. Run a forward inside `with offloader:` (and its backward), then call report()."
+)
+
+_NOT_CALLED = (
+    "offload: none of the {n} layers given to ActivationOffloader ran inside `with "
+    "offloader:`, so nothing was offloaded. Pass the modules the forward calls (for a "
+    "Hugging Face model, offload.find_layers(model)), and run the forward inside the "
+    "`with` block."
+)
 
 #: ``(pack, unpack)`` of the innermost saved-tensor hooks of the thread, or None (private:
 #: no public API tells; ActivationOffloader._hooks_on_top falls back when it is missing)
@@ -178,58 +190,17 @@ class ActivationOffloader:
             "compress": compress,
             "compress_filter": compress_filter,
         }
-        if config is not None:
-            if not isinstance(config, OffloadConfig):
-                raise TypeError(
-                    f"config must be an offload.OffloadConfig or None; got {type(config).__name__}"
-                )
-            # A keyword left at its default cannot be told from one not given.
-            changed = sorted(
-                k for k, v in given.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k]
-            )
-            if changed:
-                raise TypeError(
-                    f"pass either config= or keyword settings, not both (got config and "
-                    f"{changed}); use dataclasses.replace(config, ...) to combine"
-                )
-        else:
-            config = OffloadConfig(**given)
-        if isinstance(layers, torch.nn.Module) and not isinstance(
-            layers, (torch.nn.ModuleList, torch.nn.Sequential)
-        ):
-            raise TypeError(
-                f"layers must be a sequence of nn.Module (the repeated blocks, e.g. "
-                f"model.layers or offload.find_layers(model)); got a single "
-                f"{type(layers).__name__}"
-            )
-        if not isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)):
-            raise TypeError(f"layers must be a sequence of nn.Module; got {type(layers).__name__}")
-        layers = list(layers)
-        if not layers:
-            raise ValueError("layers is empty; pass the model's repeated blocks, in order")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, torch.nn.Module):
-                raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
+        config = _resolve_config(given, config)
+        layers = _check_layers(layers, config)
         self._order = CallOrder(layers)  # raises for a module listed twice
-        check_selection(config.offload_layers, len(layers))
-        if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
-            warn_at_caller(
-                f"offload: ActivationOffloader got one layer and offload_layers="
-                f"{config.offload_layers!r} (never the last call), so nothing will be "
-                f"offloaded. Pass the model's repeated "
-                "blocks (offload.find_layers(model), e.g. model.model.layers), or "
-                "offload_layers=1 to offload that one layer."
-            )
         self.config = config
         self._layers = layers
         self._runtime = Runtime(config)
         self._step: Step | None = None  # the forward in progress
         self._last: Step | None = None  # the most recent forward (its stats)
         self._unfinished: list[Step] = []  # earlier forwards whose backward has not run
-        self._hooks: list[Any] = []
-        #: attachments that keep the layer hooks registered between forwards (attach())
-        self._hook_holders = 0
-        #: the Step of the next forward, made when the last one ended (_prepare_next)
+        self._layer_hooks = LayerHooks(layers)
+        #: the Step of the next forward, made when the last one ended (__exit__)
         self._next: Step | None = None
         self._saved_hooks: Any = None
         #: our saved-tensor hooks are popped for the layer call in progress (a call
@@ -254,14 +225,6 @@ class ActivationOffloader:
         plan = plan_forward(self.config.offload_layers, self._calls, self.config.prefetch_layers)
         return Step(self._runtime, plan)
 
-    def _prepare_next(self) -> None:
-        """Make the next forward's Step now, at the end of this forward: the host is
-        then ahead of the device (the forward's kernels are still queued), while at the
-        next entry every microsecond of host work delays the step's first kernels. The
-        Step depends only on ``self._calls`` and the (frozen) config, and only
-        ``_end_forward`` changes ``_calls``: call this after it."""
-        self._next = self._make_step()
-
     def _new_step(self) -> Step:
         """The Step of the forward that starts now: the one prepared when the last
         forward ended, or a new one."""
@@ -281,7 +244,8 @@ class ActivationOffloader:
             if not step.finished:
                 self._unfinished.append(step)
             if step.plan.offloaded and not any(g.stats.bytes_offloaded for g in step.groups):
-                self._warn_nothing_offloaded(step)
+                message = _nothing_offloaded(step, self._saved_elsewhere)
+                self._warn_once("nothing_offloaded", message)
 
     def __enter__(self) -> ActivationOffloader:
         if self._disabled:
@@ -296,13 +260,11 @@ class ActivationOffloader:
             self._unfinished = _prune(self._unfinished)
             self._groups_this_entry = 0
             self._new_step()
-            if not self._hooks:  # registered already while attached (attach())
-                self._add_layer_hooks()
+            self._layer_hooks.add(self._layer_start, self._layer_end)  # once while attached
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
-            if not self._hook_holders:
-                self._remove_layer_hooks()
+            self._layer_hooks.release()
             self._step = None
             _context.release(self)
             raise
@@ -315,22 +277,18 @@ class ActivationOffloader:
         try:
             if exc_type is None:
                 self._end_forward(step)
-                self._prepare_next()
+                # The next forward's Step, made now: the host is ahead of the device here
+                # (this forward's kernels are still queued), while at the next entry
+                # every microsecond of host work delays the step's first kernels. It
+                # depends only on _calls (set by _end_forward) and the frozen config.
+                self._next = self._make_step()
                 if self._groups_this_entry == 0:
-                    self._warn_once(
-                        "not_called",
-                        f"offload: none of the {len(self._layers)} layers given to "
-                        f"ActivationOffloader ran inside `with offloader:`, so nothing was "
-                        f"offloaded. Pass the modules the forward calls (for a Hugging Face "
-                        f"model, offload.find_layers(model)), and run the forward inside "
-                        f"the `with` block.",
-                    )
+                    self._warn_once("not_called", _NOT_CALLED.format(n=len(self._layers)))
             else:
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
         finally:
-            if not self._hook_holders:
-                self._remove_layer_hooks()
+            self._layer_hooks.release()
             hooks, self._saved_hooks = self._saved_hooks, None
             _context.release(self)
             if self._aside:  # a layer that is not offloaded raised: our hooks are off
@@ -338,37 +296,10 @@ class ActivationOffloader:
             elif hooks is not None:
                 hooks.__exit__(exc_type, exc, tb)
 
-    def _add_layer_hooks(self) -> None:
-        """Register the layer-boundary hooks: a forward pre-hook and a forward hook on
-        each layer. ``with offloader:`` registers them at entry and removes them at exit
-        (nothing of the offloader stays on the modules); while the offloader is attached
-        to a model they stay registered between forwards (outside a forward they return
-        at once), which takes their registration off the step's start."""
-        for module in dict.fromkeys(self._layers):  # each module once, in order
-            self._hooks.append(
-                module.register_forward_pre_hook(_ModuleHook(self._layer_start), with_kwargs=True)
-            )
-            self._hooks.append(
-                module.register_forward_hook(_ModuleHook(self._layer_end), with_kwargs=True)
-            )
-
-    def _remove_layer_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
     def _hold_layer_hooks(self, hold: bool) -> None:
         """An attachment starts (``hold``) or stops keeping the layer hooks registered
-        between forwards; the last one to stop removes them unless a forward is running
-        (its exit does)."""
-        if hold:
-            self._hook_holders += 1
-            if not self._hooks:
-                self._add_layer_hooks()
-            return
-        self._hook_holders -= 1
-        if not self._hook_holders and self._step is None:
-            self._remove_layer_hooks()
+        between forwards (``LayerHooks.hold``)."""
+        self._layer_hooks.hold(hold, self._layer_start, self._layer_end, self._step is None)
 
     def _pack(self, t: torch.Tensor) -> Any:
         return self._step.pack(t)  # type: ignore[union-attr]
@@ -400,7 +331,7 @@ class ActivationOffloader:
             and step.depth == 0
             and not step.probe
             and not self._aside
-            and self._hooks_on_top()
+            and _hooks_on_top(self._saved_hooks)
         ):
             # A layer call that is not offloaded runs without our saved-tensor hooks:
             # every tensor it saves would be kept anyway, and a Python hook per saved
@@ -408,17 +339,6 @@ class ActivationOffloader:
             # itself (with its own in-place checks); they are not counted in the stats.
             self._saved_hooks.__exit__(None, None, None)
             self._aside = True
-
-    def _hooks_on_top(self) -> bool:
-        """Whether our saved-tensor hooks are the innermost on this thread (only then
-        may they be popped: hooks pushed inside ``with offloader:`` by the caller, e.g.
-        non-reentrant checkpointing around a layer, must stay). PyTorch has no public
-        way to ask; without the private one, the hooks stay (correct, only slower)."""
-        top = _TOP_HOOKS
-        if top is None or self._saved_hooks is None:
-            return False
-        current = top(False)
-        return current is not None and current[0] is self._saved_hooks.pack_hook
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
@@ -428,58 +348,26 @@ class ActivationOffloader:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
-            if (
-                group is not None
-                and group.offload
-                and not step.probe
-                and "saved_elsewhere" not in self._warned
-            ):
-                stats = group.stats  # nothing saved through our hooks: whose were they?
-                if (
-                    not stats.bytes_offloaded
-                    and not any(stats.bytes_kept.values())
-                    and torch.is_grad_enabled()
-                ):
-                    self._warned.add("saved_elsewhere")  # one look: it walks the graph
-                    message = saved_elsewhere(group.index, module, output)
-                    if message is not None:
-                        self._saved_elsewhere = True
-                        warn_at_caller(message)
+            if group is not None and group.offload and "saved_elsewhere" not in self._warned:
+                self._check_saved_elsewhere(step, group, module, output)
+
+    def _check_saved_elsewhere(self, step: Step, group: Any, module: Any, output: Any) -> None:
+        """Warn once when an offloaded layer saved nothing through our hooks: whose were
+        its saves? (One look only: it walks the autograd graph.)"""
+        stats = group.stats
+        if step.probe or stats.bytes_offloaded or any(stats.bytes_kept.values()):
+            return
+        if torch.is_grad_enabled():
+            self._warned.add("saved_elsewhere")
+            message = saved_elsewhere(group.index, module, output)
+            if message is not None:
+                self._saved_elsewhere = True
+                warn_at_caller(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warn_at_caller(message)
-
-    def _warn_nothing_offloaded(self, step: Step) -> None:
-        from offload._placement import summary_hint
-
-        kept: dict[str, int] = {}
-        for g in step.groups:
-            if g.offload:
-                for reason, n in g.stats.bytes_kept.items():
-                    kept[reason] = kept.get(reason, 0) + n
-        # parameters never travel: name what kept the rest, when anything else was kept
-        actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
-        pool = actionable or {r: n for r, n in kept.items() if n}
-        reason = max(pool, key=pool.__getitem__) if pool else None
-        if reason is None and self._saved_elsewhere:
-            why = (
-                "the tensors they saved went to other saved-tensor hooks pushed inside "
-                "the layers (see the warning about them)"
-            )
-        elif reason is None:
-            why = "the selected layers saved no tensor for backward (is grad enabled?)"
-        else:
-            why = f"everything they saved was kept on the device, mostly '{reason}'"
-            hint = summary_hint(reason)
-            if hint:
-                why += f": {hint}"
-        self._warn_once(
-            "nothing_offloaded",
-            f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
-            f"offloading but no bytes were offloaded; {why}.",
-        )
 
     # ---- results ----------------------------------------------------------------------
 
@@ -497,11 +385,7 @@ class ActivationOffloader:
         if self._last is None:
             from rich.console import Console
 
-            (console or Console()).print(
-                "offload: no forward has run under this offloader yet, so there is "
-                "nothing to report. Run a forward inside `with offloader:` (and its "
-                "backward), then call report()."
-            )
+            (console or Console()).print(_NO_FORWARD_YET)
             return
         self.stats.report(console)
 
@@ -544,15 +428,12 @@ class ActivationOffloader:
         )
         return f"ActivationOffloader({len(self._layers)} layers, {fields})"
 
-    # ---- per-layer CUDA graphs (offload/_graphs.py) ------------------------------------
-
     def _capture_view(self) -> CaptureView:
-        """The layers, runtime and selection that per-layer graph capture reads."""
+        """What per-layer graph capture (offload/_graphs.py) reads."""
         return CaptureView(tuple(self._layers), self._runtime, self.config.offload_layers)
 
     def _show_stats_of(self, source: Any) -> None:
-        """Make :attr:`stats` read ``source.read_stats()`` (the captured layer calls)."""
-        self._last = source
+        self._last = source  # stats reads source.read_stats(): the captured layer calls
 
     # ---- attached to a model's forward ------------------------------------------------
 
@@ -623,6 +504,108 @@ class ActivationOffloader:
         left as if it had raised (what it offloaded is freed).
         """
         _attach.detach(self)
+
+
+def _resolve_config(given: dict[str, Any], config: OffloadConfig | None) -> OffloadConfig:
+    """The offloader's config: ``config``, or one made of the keywords ``given``.
+
+    Raises:
+        TypeError: ``config`` is not an :class:`OffloadConfig`, or it is given together
+            with keywords changed from their defaults.
+    """
+    if config is not None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(
+                f"config must be an offload.OffloadConfig or None; got {type(config).__name__}"
+            )
+        # A keyword left at its default cannot be told from one not given.
+        changed = sorted(k for k, v in given.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k])
+        if changed:
+            raise TypeError(
+                f"pass either config= or keyword settings, not both (got config and "
+                f"{changed}); use dataclasses.replace(config, ...) to combine"
+            )
+    else:
+        config = OffloadConfig(**given)
+    return config
+
+
+def _check_layers(layers: Any, config: OffloadConfig) -> list[torch.nn.Module]:
+    """``layers`` as a list, checked against ``config.offload_layers``.
+
+    Raises:
+        TypeError: ``layers`` is not a sequence of ``nn.Module``.
+        ValueError: ``layers`` is empty, or the selection does not fit it.
+    """
+    if isinstance(layers, torch.nn.Module) and not isinstance(
+        layers, (torch.nn.ModuleList, torch.nn.Sequential)
+    ):
+        raise TypeError(
+            f"layers must be a sequence of nn.Module (the repeated blocks, e.g. "
+            f"model.layers or offload.find_layers(model)); got a single "
+            f"{type(layers).__name__}"
+        )
+    if not isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)):
+        raise TypeError(f"layers must be a sequence of nn.Module; got {type(layers).__name__}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty; pass the model's repeated blocks, in order")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, torch.nn.Module):
+            raise TypeError(f"layers[{i}] must be an nn.Module; got {type(layer).__name__}")
+    check_selection(config.offload_layers, len(layers))
+    if config.offload_layers in (None, "all", "auto") and len(layers) == 1:
+        warn_at_caller(
+            f"offload: ActivationOffloader got one layer and offload_layers="
+            f"{config.offload_layers!r} (never the last call), so nothing will be "
+            f"offloaded. Pass the model's repeated "
+            "blocks (offload.find_layers(model), e.g. model.model.layers), or "
+            "offload_layers=1 to offload that one layer."
+        )
+    return layers
+
+
+def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
+    """Why the layers selected in ``step`` offloaded no byte (a warning's text)."""
+    from offload._placement import summary_hint
+
+    kept: dict[str, int] = {}
+    for g in step.groups:
+        if g.offload:
+            for reason, n in g.stats.bytes_kept.items():
+                kept[reason] = kept.get(reason, 0) + n
+    # parameters never travel: name what kept the rest, when anything else was kept
+    actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
+    pool = actionable or {r: n for r, n in kept.items() if n}
+    reason = max(pool, key=pool.__getitem__) if pool else None
+    if reason is None and saved_elsewhere:
+        why = (
+            "the tensors they saved went to other saved-tensor hooks pushed inside "
+            "the layers (see the warning about them)"
+        )
+    elif reason is None:
+        why = "the selected layers saved no tensor for backward (is grad enabled?)"
+    else:
+        why = f"everything they saved was kept on the device, mostly '{reason}'"
+        hint = summary_hint(reason)
+        if hint:
+            why += f": {hint}"
+    return (
+        f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
+        f"offloading but no bytes were offloaded; {why}."
+    )
+
+
+def _hooks_on_top(saved_hooks: Any) -> bool:
+    """Whether our saved-tensor hooks are the innermost on this thread (only then
+    may they be popped: hooks pushed inside ``with offloader:`` by the caller, e.g.
+    non-reentrant checkpointing around a layer, must stay). PyTorch has no public
+    way to ask; without the private one, the hooks stay (correct, only slower)."""
+    top = _TOP_HOOKS
+    if top is None or saved_hooks is None:
+        return False
+    current = top(False)
+    return current is not None and current[0] is saved_hooks.pack_hook
 
 
 class no_offload(contextlib.ContextDecorator):

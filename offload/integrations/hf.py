@@ -9,7 +9,6 @@ import warnings
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
 from offload._layers import find_layers
