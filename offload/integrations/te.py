@@ -13,7 +13,6 @@ import torch
 from offload import _context, _packing
 from offload._manual import ManualOffloadSynchronizer, _ManualContext
 from offload._warn import warn_at_caller
-from offload._weights._manual import manual_weight_context
 from offload.activations import ActivationOffloader
 from offload.config import OffloadConfig
 
@@ -160,6 +159,9 @@ def get_cpu_offload_context(
         )
         pair = (ctx, ctx.sync)
     if offload_weights:  # weights too: the weight offloader wraps the pair
+        # loaded here: it imports dynamo (as costly as torch) when it loads
+        from offload._weights import manual_weight_context
+
         return manual_weight_context(pair, num_layers, model_layers)
     return pair
 
