@@ -1,13 +1,8 @@
-"""Offloading inside per-layer CUDA graphs (``torch.cuda.make_graphed_callables``).
-
-A whole training step captured in one graph needs nothing from this module: enter the
-offloader inside the capture and every copy, event and wait is recorded into the graph
-(``# Note [release order]``, "CUDA graphs", in ``offload/_step.py``). Per-layer
-graphs are different: each layer's forward and backward are separate graphs, so no
-copy may cross from one layer's graph into the next. :func:`make_graphed_callables`
-captures each offloaded layer call as a forward of one group that joins its copies at
-its own end and reloads them at the start of its own backward graph.
-"""
+"""Offloading inside per-layer CUDA graphs: :func:`make_graphed_callables` captures each
+offloaded layer call as a one-group forward that joins its copies at its own end and
+reloads them at the start of its own backward graph, so no copy crosses from one layer's
+graph into the next. A whole step captured in one graph needs nothing from here: enter
+the offloader inside the capture (``# Note [release order]`` in ``offload/_step.py``)."""
 
 from __future__ import annotations
 
@@ -15,10 +10,11 @@ from typing import Any
 
 import torch
 
-from offload import _device
+from offload import _context, _device
 from offload._handles import Kept, unpack_hook
 from offload._plan import Schedule, plan_forward
 from offload._step import Step
+from offload.activations import ActivationOffloader
 from offload.profiling import OffloadStats
 
 __all__ = ["make_graphed_callables"]
@@ -56,13 +52,12 @@ class _LayerCapture:
     "layer"``); calls made outside a capture (the warm-up iterations) keep everything."""
 
     def __init__(self, offloader: Any) -> None:
-        from offload.activations import ActivationOffloader
-
         if not isinstance(offloader, ActivationOffloader):
             raise TypeError(
                 f"offloader must be an offload.ActivationOffloader; got {type(offloader).__name__}"
             )
-        selection = offloader.config.offload_layers
+        view = offloader._capture_view()
+        selection = view.selection
         if selection == "auto":
             raise ValueError(
                 "offload_layers='auto' measures eager forwards, which per-layer graph "
@@ -70,7 +65,8 @@ class _LayerCapture:
                 "(an int, 'all', indices or a callable)"
             )
         self.off = offloader
-        layers = offloader._layers
+        self.runtime = view.runtime
+        layers = view.layers
         #: each module's position in the offloader's layers (its first one)
         self.position: dict[int, int] = {}
         for i, m in enumerate(layers):
@@ -82,9 +78,7 @@ class _LayerCapture:
         self._saved: Any = None
 
     def __enter__(self) -> _LayerCapture:
-        from offload.activations import _claim_thread
-
-        _claim_thread(self.off, "ActivationOffloader")
+        _context.claim(self.off, "ActivationOffloader")
         # Global module hooks, not hooks on the layers: torch.cuda.make_graphed_callables
         # refuses modules that have hooks of their own.
         self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._start))
@@ -94,8 +88,6 @@ class _LayerCapture:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        from offload.activations import _release_thread
-
         try:
             step, self.step = self.step, None
             if step is not None:  # the capture of a layer raised
@@ -105,7 +97,7 @@ class _LayerCapture:
                 h.remove()
             self._hooks.clear()
             saved, self._saved = self._saved, None
-            _release_thread(self.off)
+            _context.release(self.off)
             if saved is not None:
                 saved.__exit__(exc_type, exc, tb)
 
@@ -128,7 +120,7 @@ class _LayerCapture:
         plan = Schedule(
             1, offloaded, {}, {0: (0,)} if chosen else {}, lambda i, m: i == 0 and chosen
         )
-        step = self.step = Step(self.off._runtime, plan)
+        step = self.step = Step(self.runtime, plan)
         step.capture = "layer"
         step.open_group(module, (args, {}))
         step.groups[0].stats.index = position
@@ -214,5 +206,5 @@ def make_graphed_callables(
         )
     with capture:
         graphed = torch.cuda.make_graphed_callables(callables, sample_args, **kwargs)
-    offloader._last = _Captured(capture.steps)  # type: ignore[assignment]
+    offloader._show_stats_of(_Captured(capture.steps))
     return graphed

@@ -477,7 +477,7 @@ def _hugging_face(args: argparse.Namespace, device: torch.device, dtype: torch.d
             "--hf-config needs transformers: pip install transformers "
             '(or pip install "offload[dev]")'
         ) from None
-    from offload.integrations.hf import find_layers
+    from offload._layers import find_layers
 
     _check_model_type(path, transformers)
     try:

@@ -1,4 +1,4 @@
-"""Tests for :func:`offload.find_layers` (offload/integrations/hf.py).
+"""Tests for :func:`offload.find_layers` (offload/_layers.py).
 
 Covers: Hugging Face decoder models built from tiny random configs (no downloads),
 torch's own transformer stacks, user stacks, MoE layers whose experts are an
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.integrations.hf import find_layers
+from offload._layers import find_layers
 
 try:
     import transformers

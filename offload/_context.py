@@ -1,0 +1,45 @@
+"""Which offload context is entered on each thread: one at a time, because saved-tensor
+hooks do not nest (only the innermost pair sees tensors, so a second context inside a
+first would leave the outer one silently empty)."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["active", "claim", "owner", "release"]
+
+#: ``owner``: the context entered on this thread (hot paths read it without a call)
+active = threading.local()
+
+
+def owner() -> object | None:
+    """The offload context entered on this thread, or ``None``."""
+    return getattr(active, "owner", None)
+
+
+def claim(context: object, what: str) -> None:
+    """Record ``context`` as the one entered on this thread.
+
+    Raises:
+        RuntimeError: ``context`` or another context is already entered on this thread.
+    """
+    current = owner()
+    if current is context:
+        raise RuntimeError(
+            f"this {what} is already entered on this thread; nested `with` blocks of the "
+            f"same offloader are not supported (exit the first one before entering again)"
+        )
+    if current is not None:
+        raise RuntimeError(
+            f"another offload context ({type(current).__name__}) is already active on this "
+            f"thread. Saved-tensor hooks do not nest (only the innermost would see the "
+            f"tensors and the outer one would silently offload nothing): use one "
+            f"ActivationOffloader over all the layers and choose with offload_layers"
+        )
+    active.owner = context
+
+
+def release(context: object) -> None:
+    """Forget ``context`` if it is the one entered on this thread."""
+    if owner() is context:
+        active.owner = None
