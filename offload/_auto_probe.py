@@ -119,6 +119,8 @@ class CudaMeter(Meter):
         return total
 
     def memory(self, device: torch.device | None) -> DeviceMemory | None:
+        if device is None or device.index is None:  # some torch versions need the index
+            device = torch.device("cuda", torch.cuda.current_device())
         stats = torch.cuda.memory_stats_as_nested_dict(device)
         try:
             allocated = stats["allocated_bytes"]["all"]

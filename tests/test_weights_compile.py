@@ -92,7 +92,7 @@ def train(
 def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want) and got
     for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a.float(), b.float()), f"tensor {i} differs"
+        assert torch.equal(a.float().cpu(), b.float().cpu()), f"tensor {i} differs"
 
 
 def check(form: str, backend: str, device: str, dtype, frozen: bool, grads: str) -> None:
