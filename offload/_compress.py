@@ -116,22 +116,11 @@ import torch
 from offload._warn import warn_at_caller
 
 __all__ = [
-    "HALF",
-    "BLOCK",
-    "COMPRESSIBLE",
-    "TILING",
-    "packed_nbytes",
-    "quantize_into",
-    "dequantize_into",
-    "quantize_eager",
-    "dequantize_eager",
-    "quantize_triton",
-    "dequantize_triton",
-    "triton_available",
-    "triton_supported",
-    "unpack_scales",
+    "HALF", "BLOCK", "COMPRESSIBLE", "TILING", "packed_nbytes", "quantize_into",
+    "dequantize_into", "quantize_eager", "dequantize_eager", "quantize_triton",
+    "dequantize_triton", "triton_available", "triton_supported", "unpack_scales",
     "error_bound",
-]
+]  # fmt: skip
 
 BLOCK: int = 128
 """Elements per scale block (consecutive elements of the flat span)."""
@@ -144,9 +133,7 @@ HALF: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
 
 TILING: dict[str, tuple[int, int]] = {"quantize": (32, 8), "dequantize": (8, 4)}
 """Per Triton kernel: (blocks of :data:`BLOCK` elements handled by one program, warps per
-program). Measured on an H200 over a 704 MiB bf16 span (``benchmarks/compress/bench_codec.py
---sweep``: 8 to 64 blocks, 4 or 8 warps): quantize 0.52 ms at (32, 8) against 0.69 ms at
-the former (32, 4); dequantize 0.32 ms at (8, 4) against 0.35 ms."""
+program), the fastest of ``benchmarks/compress/bench_codec.py --sweep`` (docs/decisions.md)."""
 
 _FP8_MAX = 448.0
 _SCALE_MIN = 2.0**-126
