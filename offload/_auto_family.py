@@ -335,7 +335,6 @@ class Family:
             )
         self.evaluate(max_slowdown)
 
-
     def _paired(self, record: StepRecord, seconds: float) -> float | None:
         """A step of the choice over the step without offloading just before it (both
         carried to one size), or ``None``."""
