@@ -2,13 +2,22 @@
 measured sizes, the scale real steps put on the measured costs, and the verification of
 its choice against steps without offloading (:class:`Phase`).
 
-A verification round alternates :data:`VERIFY_STEPS` steps without offloading with as
-many of the choice; their step times, carried between sizes by the prediction's ratio
-between them, give the measured ratio. Above ``1 + max_slowdown`` one layer comes off
-(``backoff``) and a round of the new choice follows; within it, the choice is settled
-and the median ratio of its last :data:`WATCH_STEPS` timed steps is watched: past the
-limit, a fresh round (new steps without offloading) starts. A choice memory forces is
-never backed off.
+A verification round measures steady state against steps without offloading: the
+first :data:`WARMUP_STEPS` steps of the choice after a measuring forward, and the first
+:data:`CHANGE_WARMUP_STEPS` after a change of the choice, are not counted (the
+offloader allocates pinned memory and reload buffers in them, and the allocator
+settles); then steps without offloading alternate with steps
+of the choice, each step of the choice paired with the step without offloading just
+before it (drift of the device between distant steps cancels). The median of the
+paired ratios is the measured ratio; the round decides after :data:`MIN_PAIRS` pairs
+when all agree, else after :data:`VERIFY_STEPS`. The tolerance is ``1 + max_slowdown``
+plus the measured noise (:meth:`Family.noise`: the spread of the steps without
+offloading, at most ``max_slowdown``): above it one layer comes off (``backoff``) and
+a round of the new choice follows; within it, the choice is settled (a choice the
+prediction found free is not given up for a difference the noise explains) and the
+median ratio of its last :data:`WATCH_STEPS` timed steps is watched against the same
+tolerance: past it, a fresh round (new steps without offloading) starts. A choice
+memory forces is never backed off.
 
 The scale: a step at a measured size (or inside a fit of three sizes or more) that
 takes a different share of its prediction moves the scale (the median share, kept
@@ -30,10 +39,13 @@ from offload._auto_fit import Estimate, ShapeModel
 from offload._auto_probe import DeviceMemory, StepWatch
 
 __all__ = [
+    "MIN_PAIRS",
     "PREDICTION_TOLERANCE",
     "RESCALE",
     "RESIDUALS",
     "VERIFY_STEPS",
+    "CHANGE_WARMUP_STEPS",
+    "WARMUP_STEPS",
     "WATCH_STEPS",
     "Family",
     "Memory",
@@ -44,8 +56,15 @@ __all__ = [
     "base_seconds",
 ]
 
-#: Steps without offloading, and steps with the choice, per verification round.
-VERIFY_STEPS = 3
+#: Pairs (a step without offloading, then one of the choice) per verification round, at
+#: most; also the steps without offloading kept.
+VERIFY_STEPS = 5
+#: Pairs after which a round decides when every pair's ratio is on the same side.
+MIN_PAIRS = 3
+#: Steps of the choice not counted after a measuring forward (the offloader's first
+#: steps at its plan), and after a change of the choice.
+WARMUP_STEPS = 2
+CHANGE_WARMUP_STEPS = 1
 #: Steps of the choice whose median ratio is watched once settled.
 WATCH_STEPS = 5
 #: Measured/predicted step-time ratios kept per kind of step (their median scales the
@@ -122,6 +141,8 @@ class StepRecord:
     predicted_peak: float | None
     start_memory: DeviceMemory | None
     cold: bool = False
+    tick: int = 0  # the family's step count when it was prepared
+    warmup: bool = False  # a step of the choice not counted (module docstring)
     watch: StepWatch | None = None
     age: int = 0
 
@@ -144,10 +165,15 @@ class Family:
             maxlen=VERIFY_STEPS
         )
         self.none_in_flight = 0
-        #: steps of the choice this generation: (tokens, quad, seconds, forced)
-        self.plan: collections.deque[tuple[int, int, float, bool]] = collections.deque(
-            maxlen=WATCH_STEPS
+        #: steps of the choice this generation: (tokens, quad, seconds, forced, ratio to
+        #: the step without offloading just before it, or None when unpaired)
+        self.plan: collections.deque[tuple[int, int, float, bool, float | None]] = (
+            collections.deque(maxlen=WATCH_STEPS)
         )
+        #: the last step without offloading read: (tick, tokens, quad, seconds)
+        self.last_none: tuple[int, int, int, float] | None = None
+        self.warmup = 0  # steps of the choice still to skip
+        self.round_none = 0  # steps without offloading run in this round
         self.last_run: Run | None = None
         self.tick = 0  # steps prepared
         self.reprobe = False
@@ -163,6 +189,8 @@ class Family:
         choice is verified again (the steps without offloading are kept)."""
         self.generation += 1
         self.plan.clear()
+        self.warmup = max(self.warmup, CHANGE_WARMUP_STEPS)
+        self.round_none = 0
         if self.phase is Phase.SETTLED:
             self.phase = Phase.VERIFY
         if note:
@@ -196,41 +224,71 @@ class Family:
             return got
         return base_seconds(self.model.predict(tokens, quad))  # type: ignore[union-attr]
 
-    def ratio(self, samples: list[tuple[int, int, float, bool]]) -> float | None:
+    def ratio(self, samples: list[tuple[int, int, float, bool, float | None]]) -> list[float]:
+        """Each sample's ratio: paired, else against the steps without offloading
+        carried to its size."""
         out = []
-        for n, q, t, _ in samples:
+        for n, q, t, _, paired in samples:
+            if paired is not None:
+                out.append(paired)
+                continue
             none = self.none_at(n, q)
             if none:
                 out.append(t / none)
-        return statistics.median(out) if out else None
+        return out
+
+    def normalized(self, tokens: int, quad: int, seconds: float) -> float | None:
+        """A step's time over the predicted time without offloading at its size."""
+        p = self.base(tokens, quad)
+        return seconds / p if p > 0 else None
+
+    def noise(self, max_slowdown: float) -> float:
+        """Half the relative spread of the steps without offloading (carried to one
+        size), at most ``max_slowdown``: a ratio within it of the limit is noise."""
+        values = [v for n, q, t in self.none if (v := self.normalized(n, q, t)) is not None]
+        if len(values) < 2:
+            return 0.0
+        mid = statistics.median(values)
+        return min(max_slowdown, (max(values) - min(values)) / (2 * mid)) if mid > 0 else 0.0
 
     def evaluate(self, max_slowdown: float) -> None:
         """After a step's time was read: finish a verification round or watch."""
         limit = 1.0 + max_slowdown
         samples = list(self.plan)
         if self.phase is Phase.VERIFY:
-            if len(self.none) < VERIFY_STEPS or len(samples) < VERIFY_STEPS:
+            if len(self.none) < MIN_PAIRS:
                 return
-            m = self.ratio(samples[-VERIFY_STEPS:])
+            ratios = self.ratio(samples[-VERIFY_STEPS:])
+            if len(ratios) < MIN_PAIRS:
+                return
+            tol = limit + self.noise(max_slowdown)
+            m = statistics.median(ratios)
             self.measured_ratio = m
-            if m is None:
-                return
-            if m > limit and not all(s[3] for s in samples):
+            if len(ratios) < VERIFY_STEPS:
+                if all(r > tol for r in ratios):
+                    m = min(ratios)
+                elif not all(r <= tol for r in ratios):
+                    return  # not unanimous: more pairs
+            if m > tol and not all(s[3] for s in samples):
                 self.backoff += 1
                 self.new_generation(
                     f"measured {m:.3f}x against steps without offloading: one layer less"
                 )
-            elif m > limit:
+            elif m > tol:
                 self.settle(f"measured {m:.3f}x; memory allows no fewer layers")
             else:
                 self.settle(f"verified: {m:.3f}x against steps without offloading")
         elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
-            m = self.ratio(samples)
+            ratios = self.ratio(samples)
+            m = statistics.median(ratios) if ratios else None
             self.measured_ratio = m
-            if m is not None and m > limit and not all(s[3] for s in samples):
+            tol = limit + self.noise(max_slowdown)
+            if m is not None and m > tol and not all(s[3] for s in samples):
                 self.phase = Phase.VERIFY
                 self.none.clear()
                 self.plan.clear()
+                self.last_none = None
+                self.round_none = 0
                 self.note = f"the measured ratio drifted to {m:.3f}x: verifying again"
 
     def observe(
@@ -253,7 +311,7 @@ class Family:
             and record.predicted_peak is not None
         ):
             self.memory_excess = max(self.memory_excess, end.peak - record.predicted_peak)
-        if self.model is None or not record.predicted_s:
+        if self.model is None or not record.predicted_s or record.warmup:
             return
         rho = seconds / record.predicted_s
         if record.exact or self.model.covers(record.tokens, record.quad):
@@ -270,9 +328,22 @@ class Family:
             self.reprobe = True  # the prediction for this size proved wrong
         if run is Run.NONE:
             self.none.append((record.tokens, record.quad, seconds))
+            self.last_none = (record.tick, record.tokens, record.quad, seconds)
         elif record.generation == self.generation:
-            self.plan.append((record.tokens, record.quad, seconds, record.forced))
+            self.plan.append(
+                (record.tokens, record.quad, seconds, record.forced, self._paired(record, seconds))
+            )
         self.evaluate(max_slowdown)
+
+    def _paired(self, record: StepRecord, seconds: float) -> float | None:
+        """A step of the choice over the step without offloading just before it (both
+        carried to one size), or ``None``."""
+        last = self.last_none
+        if last is None or last[0] != record.tick - 1:
+            return None
+        mine = self.normalized(record.tokens, record.quad, seconds)
+        theirs = self.normalized(last[1], last[2], last[3])
+        return mine / theirs if mine is not None and theirs else None
 
 
 def base_seconds(est: Estimate) -> float:

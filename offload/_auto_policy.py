@@ -14,10 +14,11 @@ one) the policy moves through :class:`Phase`:
     scaled by what real steps measured against the prediction (the measuring forward's
     instrumentation, and the process's first step, cost time a real step does not
     spend), and never fewer layers than the device memory needs
-    (:func:`offload._auto.memory_floor`; the memory reason is recorded). Steps without
-    offloading alternate with the chosen ones while memory allows them; when the
-    measured ratio exceeds ``1 + max_slowdown``, one layer comes off and the round
-    repeats.
+    (:func:`offload._auto.memory_floor`; the memory reason is recorded). After the
+    choice's warm-up steps, steps without offloading alternate with the chosen ones
+    while memory allows them (``offload/_auto_family.py``: paired ratios, their median,
+    the measured noise); when the measured ratio exceeds ``1 + max_slowdown`` by more
+    than the noise, one layer comes off and the round repeats.
 ``SETTLED``
     Verified, or forced by memory, or unverifiable (memory never allows a step without
     offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
@@ -41,10 +42,12 @@ import torch
 
 from offload import _auto
 from offload._auto_family import (
+    MIN_PAIRS,
     PREDICTION_TOLERANCE,
     RESCALE,
     RESIDUALS,
     VERIFY_STEPS,
+    WARMUP_STEPS,
     WATCH_STEPS,
     Family,
     Memory,
@@ -62,10 +65,12 @@ __all__ = [
     "MAX_FAMILIES",
     "MAX_PENDING",
     "MEMORY_MARGIN",
+    "MIN_PAIRS",
     "PREDICTION_TOLERANCE",
     "RESCALE",
     "RESIDUALS",
     "VERIFY_STEPS",
+    "WARMUP_STEPS",
     "WATCH_EVERY",
     "WATCH_STEPS",
     "AutoPolicy",
@@ -199,10 +204,16 @@ class AutoPolicy:
         watched = not step.capture and (
             probe or fam.phase is not Phase.SETTLED or fam.tick % WATCH_EVERY == 0
         )
+        warmup = False
         if probe:
             fam.reprobe = False
         elif run is Run.NONE and watched:
             fam.none_in_flight += 1
+            if fam.phase is Phase.VERIFY:
+                fam.round_none += 1
+        elif run is Run.PLAN and watched and fam.warmup > 0:
+            fam.warmup -= 1
+            warmup = True
         d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
         record = StepRecord(
             family=fam,
@@ -216,6 +227,8 @@ class AutoPolicy:
             predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
             predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
             start_memory=memory,
+            tick=fam.tick,
+            warmup=warmup,
         )
         if watched:
             # the step's peak is read at its end where memory binds (the model's error)
@@ -393,8 +406,10 @@ class AutoPolicy:
                     "not verified: memory never allowed a step without offloading at these sizes"
                 )
             return Run.PLAN
-        if len(fam.none) + fam.none_in_flight < VERIFY_STEPS and fam.last_run is Run.PLAN:
-            return Run.NONE
+        if fam.warmup > 0:
+            return Run.PLAN  # not counted: the choice warms up (module docstring)
+        if fam.round_none < VERIFY_STEPS and fam.last_run is Run.PLAN:
+            return Run.NONE  # paired with the step of the choice after it
         return Run.PLAN
 
     # ---- reading what steps measured ---------------------------------------------------
@@ -477,6 +492,7 @@ class AutoPolicy:
             for q in fam.residuals.values():
                 q.clear()
             fam.scale = 1.0
+        fam.warmup = WARMUP_STEPS  # the first steps after a measuring forward
         if fam.phase is Phase.MEASURE:
             fam.phase = Phase.VERIFY
         if all(p.cold for p in fam.model.points):

@@ -7,6 +7,7 @@ without offloading."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -274,3 +275,80 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
     assert offloading > 900
     assert verifying <= 3 * _auto_policy.VERIFY_STEPS
     assert len(meter.records) >= 1000 // _auto_policy.WATCH_EVERY  # timed steps
+
+
+# ---- verification at steady state, robust to noise ----------------------------------------
+
+
+def _verifying_meter(L: int, ratio, none_noise=(1.0,), warm=(2, 1), slow: float = 1.08):
+    """Compute-bound layers (the model hides every copy); a real step offloading ``k``
+    layers takes ``ratio(k)`` times the step without offloading. Steps without
+    offloading cycle through ``none_noise``; the first ``warm[0]`` steps of a plan after
+    a measuring forward, and ``warm[1]`` after a change of the plan, take ``slow`` times
+    as long (the offloader warming up)."""
+    costs = [LayerCost(5e-3, 10e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, 1e10)
+    none_s = sum(c.forward_s + c.backward_s for c in costs)
+    nones = itertools.cycle(none_noise)  # one factor per step without offloading
+
+    def step_time(n: int, k: int) -> float:
+        if k == 0:
+            return none_s * next(nones)
+        before = [r for r in meter.records[:-1] if r.run is not _auto_policy.Run.NONE]
+        since, last = 0, None
+        for r in reversed(before):
+            if r.run is _auto_policy.Run.PROBE or r.offloaded != k:
+                last = r
+                break
+            since += 1
+        cold = last is not None and (
+            since < warm[0] if last.run is _auto_policy.Run.PROBE else since < warm[1]
+        )
+        return none_s * ratio(k) * (slow if cold else 1.0)
+
+    meter.step_time = step_time
+    return meter
+
+
+def _settle(meter: FakeMeter, L: int, steps: int) -> list[dict]:
+    layers, ref = _model(L)
+    off = _auto_offloader(layers, meter)
+    return [_run(layers, ref, off, 16) for _ in range(steps)]
+
+
+def test_warm_up_steps_after_measuring_and_after_a_change_cause_no_back_off() -> None:
+    # every offloaded layer is free at steady state; the offloader's first steps at a
+    # plan are 8 % slower (pinned memory, reload buffers)
+    L = 6
+    runs = _settle(_verifying_meter(L, lambda k: 1.0), L, 24)
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    assert all(c == L - 1 for c in chosen), chosen  # never backed off
+    assert runs[-1]["phase"] == "settled" and runs[-1]["measured_ratio"] <= 1.03, runs[-1]
+    assert sum(r["step"] == "none" for r in runs) >= _auto_policy.MIN_PAIRS  # verified
+    assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
+
+
+def test_noisy_steps_without_offloading_keep_free_layers() -> None:
+    # the steps without offloading vary by 3 % either way (two fast, one slow): against
+    # the fast ones a free plan looks 3.1 % slower
+    L = 6
+    runs = _settle(_verifying_meter(L, lambda k: 1.0, (0.97, 0.97, 1.03)), L, 30)
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    assert all(c == L - 1 for c in chosen), chosen
+    assert runs[-1]["phase"] == "settled", runs[-1]
+    assert "verified" in runs[-1]["verification"]
+    nones = sum(r["step"] == "none" for r in runs)
+    assert _auto_policy.MIN_PAIRS <= nones <= _auto_policy.VERIFY_STEPS  # bounded
+
+
+def test_a_real_slowdown_beyond_the_noise_still_backs_off() -> None:
+    # the same noise; the full choice really costs 8 %, one layer fewer is free
+    L = 6
+    ratio = lambda k: 1.08 if k == L - 1 else 1.0  # noqa: E731
+    runs = _settle(_verifying_meter(L, ratio, (0.97, 0.97, 1.03)), L, 40)
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    assert chosen[0] == L - 1 and chosen[-1] == L - 2, chosen
+    assert runs[-1]["phase"] == "settled", runs[-1]
+    assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
+    # bounded: the two rounds ran at most VERIFY_STEPS steps without offloading each
+    assert sum(r["step"] == "none" for r in runs) <= 2 * _auto_policy.VERIFY_STEPS
