@@ -28,7 +28,7 @@ from tests.models import ON_CUDA_DETERMINISTIC
 
 pytestmark = ON_CUDA_DETERMINISTIC
 
-DEV = torch.device("cuda")
+DEV = torch.device("cuda", 0)  # an index: set_per_process_memory_fraction needs one
 
 
 def _llama(max_len: int):
