@@ -1,4 +1,4 @@
-"""offload_layers="auto" as a policy (issue 30), on the CPU with injected timings and
+"""offload_layers="auto" as a policy, on the CPU with injected timings and
 device memory (tests/auto_fake.py): memory first, sizes carried across lengths, the
 base measured without the instrumentation, back-off and re-decision after a measured
 slowdown, bounded state. Every step's gradients are bitwise equal to the same model

@@ -37,7 +37,7 @@ Memory: ``act GiB`` = the peak allocated during a step minus allocated before it
 (``reset_peak_memory_stats`` before each timed step); ``saved`` = no offloading's act
 minus the row's. Per run and model the JSON holds the ratio, auto's layers and saved
 bytes, the best fixed k within 1.03x and its saved bytes, and ``share`` = auto's saved /
-the best fixed k's (targets, issue 30: ratio <= 1.03 in every run, share >= 0.9).
+the best fixed k's (targets: ratio <= 1.03 in every run, share >= 0.9).
 """
 
 from __future__ import annotations
