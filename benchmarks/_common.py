@@ -236,6 +236,22 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     target.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def llama_1b_config(max_positions: int) -> Any:
+    """The "HF Llama ~1.1B" of the tables: ``transformers.LlamaConfig`` with hidden 2048,
+    16 layers, 32 heads, 4 KV heads, ffn 5632, vocab 32000 (random weights)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=max_positions,
+    )
+
+
 def free_cached(device: torch.device) -> None:
     """Collect garbage and give the caching allocator's unused blocks back, so that the
     next configuration measured starts from the same device state (gradients stay)."""

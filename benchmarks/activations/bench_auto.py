@@ -65,6 +65,7 @@ def _repo_root() -> str:
 sys.path.insert(0, _repo_root())
 
 import offload  # noqa: E402
+from benchmarks._common import llama_1b_config  # noqa: E402
 from offload._reference import ReferenceModel  # noqa: E402
 
 LIMIT = 1.03
@@ -103,15 +104,7 @@ def hf_model(args, device, dtype, seqs: list[int]):
         )
         seqs = [32]
     else:
-        cfg = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            vocab_size=32000,
-            max_position_embeddings=max(seqs),
-        )
+        cfg = llama_1b_config(max(seqs))
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)

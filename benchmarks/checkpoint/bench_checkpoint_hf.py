@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import offload  # noqa: E402
+from benchmarks._common import llama_1b_config  # noqa: E402
 from offload.integrations.hf import offload_checkpointing  # noqa: E402
 
 
@@ -62,15 +63,7 @@ def main() -> None:
         )
         seqs = [64, 128]
     else:
-        cfg = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            vocab_size=32000,
-            max_position_embeddings=65536,
-        )
+        cfg = llama_1b_config(65536)
         seqs = [int(s) for s in args.seqs.split(",")]
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
