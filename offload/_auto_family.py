@@ -19,11 +19,14 @@ median ratio of its last :data:`WATCH_STEPS` timed steps is watched against the 
 tolerance: past it, a fresh round (new steps without offloading) starts. A choice
 memory forces is never backed off.
 
-The scale: a step at a measured size (or inside a fit of three sizes or more) that
-takes a different share of its prediction moves the scale (the median share, kept
-per kind of step), which multiplies every predicted compute time; a step at a size
-only extrapolated to that is off by more than :data:`PREDICTION_TOLERANCE` means the
-prediction was wrong there: the next step measures again.
+The scale: a timed step whose measured/predicted ratio the prediction can explain (a
+size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
+or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
+(the median ratio, kept per kind of step; steps without offloading first, as they hold
+no stall), which multiplies every predicted compute time. A step at another size whose
+ratio is further off means the prediction was wrong there: the next step measures
+again. When the measured sizes change, the scale is taken again from the steps without
+offloading kept (:meth:`Family.rescale`).
 """
 
 from __future__ import annotations
@@ -177,6 +180,9 @@ class Family:
         self.last_run: Run | None = None
         self.tick = 0  # steps prepared
         self.reprobe = False
+        #: the only measurement is the offloader's first step: the next step runs
+        #: without offloading where memory allows, and its time scales those costs
+        self.calibrate = False
         self.probing = False
         self.measured_ratio: float | None = None
         self.memory_excess = 0.0
@@ -195,6 +201,19 @@ class Family:
             self.phase = Phase.VERIFY
         if note:
             self.note = note
+
+    def rescale(self) -> None:
+        """The measured sizes changed: the scale again from the steps without
+        offloading kept (their times over the new prediction; a step of the choice
+        measured against the old prediction says nothing about the new one)."""
+        self.residuals[Run.PLAN].clear()
+        ratios = self.residuals[Run.NONE]
+        ratios.clear()
+        for n, q, t in self.none:
+            p = self.base(n, q)
+            if p > 0:
+                ratios.append(t / p)
+        self.scale = statistics.median(ratios) if ratios else 1.0
 
     def settle(self, note: str) -> None:
         self.phase = Phase.SETTLED
@@ -314,9 +333,12 @@ class Family:
         if self.model is None or not record.predicted_s or record.warmup:
             return
         rho = seconds / record.predicted_s
-        if record.exact or self.model.covers(record.tokens, record.quad):
-            # a size measured, or inside a fit of enough sizes: what the step took beyond
-            # the prediction is the instrumentation's (and the first step's) share
+        trusted = record.exact or self.model.within(record.tokens)
+        if run is Run.NONE:
+            self.calibrate = False
+        if trusted or abs(rho / self.scale - 1.0) <= PREDICTION_TOLERANCE:
+            # what the step took beyond the prediction is the instrumentation's share
+            # (and the first step's), at every size the prediction holds
             self.residuals[run].append(rho)
             scale = statistics.median(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
             if abs(scale / self.scale - 1.0) > RESCALE:
@@ -324,7 +346,7 @@ class Family:
                 self.new_generation()
                 if run is Run.PLAN:
                     return  # measured with the old scale's choice
-        elif abs(rho / self.scale - 1.0) > PREDICTION_TOLERANCE:
+        else:
             self.reprobe = True  # the prediction for this size proved wrong
         if run is Run.NONE:
             self.none.append((record.tokens, record.quad, seconds))

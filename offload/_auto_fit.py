@@ -9,7 +9,9 @@ gap after the last layer, the activation peak) is fitted as ``y = a*n + b*q + c`
 ``a, b, c >= 0`` from the sizes measured, by least squares over every subset of the
 three terms (the best fit whose coefficients are all non-negative wins; with fewer
 points than terms, the subsets that points can determine, the fewest terms preferred
-last): one point scales with ``n``; two fit ``a*n + b*q``.
+last): one point scales with ``n``; two fit ``a*n + b*q``. Within a measured step,
+identical layer calls whose times disagree by more than :data:`ONE_TIME` carry a
+one-time cost (:func:`steady`), which no other step pays.
 
 State is bounded: at most :data:`MAX_POINTS` sizes are kept; a new size replaces one
 measured at the same size, or the one closest to its neighbours (the spread is what
@@ -27,10 +29,28 @@ import torch
 
 from offload._auto import LayerCost
 
-__all__ = ["MAX_POINTS", "Estimate", "Point", "ShapeModel", "point_values", "sizes"]
+__all__ = [
+    "ALIKE",
+    "EXTRAPOLATION",
+    "MAX_POINTS",
+    "ONE_TIME",
+    "Estimate",
+    "Point",
+    "ShapeModel",
+    "point_values",
+    "sizes",
+    "steady",
+]
 
 #: Sizes measured and kept per kind of input.
 MAX_POINTS = 6
+#: How far (a factor in tokens) beyond the sizes measured a prediction is trusted.
+EXTRAPOLATION = 1.25
+#: Calls whose saved bytes differ by less than this factor are alike (:func:`steady`).
+ALIKE = 1.25
+#: A layer call's time above this multiple of the median over identical calls is a
+#: one-time cost (:func:`steady`).
+ONE_TIME = 2.0
 
 #: Quantities per layer call in a point's ``values``, in this order.
 FIELDS = ("forward_s", "backward_s", "host_forward_s", "host_backward_s", "link", "freed")
@@ -125,13 +145,16 @@ class ShapeModel:
             act = y[len(FIELDS) * L + 1]
         return self._estimate(y, nearest.copies, act, False)
 
-    def covers(self, tokens: int, quad: int) -> bool:
-        """Whether ``(tokens, quad)`` lies inside the sizes of a fit with all three
-        terms (three warm points or more): a prediction there is an interpolation."""
-        warm = [p for p in self.points if not p.cold]
-        if len(warm) < 3:
+    def within(self, tokens: int) -> bool:
+        """Whether ``tokens`` lies inside the sizes measured (warm ones where any),
+        widened by :data:`EXTRAPOLATION` each way: a prediction there is trusted, and
+        what a step takes beyond it is the scale's (``offload/_auto_family.py``)."""
+        pts = [p for p in self.points if not p.cold] or self.points
+        if not pts:
             return False
-        return min(p.tokens for p in warm) <= tokens <= max(p.tokens for p in warm)
+        lo = min(p.tokens for p in pts) / EXTRAPOLATION
+        hi = max(p.tokens for p in pts) * EXTRAPOLATION
+        return lo <= tokens <= hi
 
     def _estimate(
         self, values: Sequence[float], copies: list[int], act: float | None, exact: bool
@@ -191,6 +214,34 @@ def point_values(
         out.extend(float(v) for v in row)
     out.append(float(gap_s))
     out.append(float(act_bytes or 0.0))
+    return out
+
+
+def steady(times: Sequence[float], sizes: Sequence[float]) -> list[float]:
+    """Per-call ``times`` with one-time costs removed.
+
+    Calls that save about the same bytes (``sizes``, within :data:`ALIKE`) are taken as
+    identical layers, which cost the same in a steady step. What happens once in a step
+    lands in one call: the kernel selection for a shape not seen before (cuBLAS
+    heuristics, cuDNN attention graphs) in the first call, growth of the host pool in
+    the call that needs it. Among three or more alike calls, a time above
+    :data:`ONE_TIME` times their median is replaced by that median; other calls are
+    kept as measured."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and sizes[i] <= ALIKE * max(sizes[groups[-1][0]], 1.0):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    out = [float(t) for t in times]
+    for members in groups:
+        if len(members) < 3:
+            continue
+        mid = sorted(out[i] for i in members)[len(members) // 2]
+        for i in members:
+            if out[i] > ONE_TIME * mid:
+                out[i] = mid
     return out
 
 

@@ -56,7 +56,7 @@ from offload._auto_family import (
     Sized,
     StepRecord,
 )
-from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes
+from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes, steady
 from offload._auto_probe import DeviceMemory, Meter, Probe, StepWatch, meter_for
 from offload._plan import plan_forward
 
@@ -394,6 +394,10 @@ class AutoPolicy:
         """A step without offloading, or the choice (module docstring, ``VERIFY``)."""
         if not decision.offloaded:
             return Run.NONE  # nothing offloaded: a step without offloading
+        if fam.calibrate:
+            if decision.memory_reason is None and (mem is None or mem.none_fits):
+                return Run.NONE  # scales the cold measurement (``_measured``)
+            fam.calibrate = False
         if fam.phase is not Phase.VERIFY:
             return Run.PLAN
         if mem is not None and not mem.none_fits:
@@ -442,6 +446,7 @@ class AutoPolicy:
             fam.probing = False
         elif record.run is Run.NONE:
             fam.none_in_flight = max(0, fam.none_in_flight - 1)
+            fam.calibrate = False
 
     def _measured(self, record: StepRecord, probe: Probe) -> None:
         """A measuring forward completed: keep its size's point."""
@@ -465,14 +470,15 @@ class AutoPolicy:
                 peak = None
             if peak is not None:
                 act = max(0.0, peak - start.allocated - kept)
+        keys = m.link_bytes
         point = Point(
             record.tokens,
             record.quad,
             point_values(
-                m.forward_s,
-                m.backward_s,
-                m.host_forward_s,
-                m.host_backward_s,
+                steady(m.forward_s, keys),
+                steady(m.backward_s, keys),
+                steady(m.host_forward_s, keys),
+                steady(m.host_backward_s, keys),
                 m.link_bytes,
                 m.freed_bytes,
                 m.gap_s,
@@ -485,18 +491,15 @@ class AutoPolicy:
         if fam.model is None or fam.model.num_groups != L:
             fam.model = ShapeModel(L)
             fam.sizes.clear()
-        was_cold = all(p.cold for p in fam.model.points)
         fam.model.add(point)
-        if was_cold and not point.cold:
-            # the scale measured against a cold step does not carry to a warm one
-            for q in fam.residuals.values():
-                q.clear()
-            fam.scale = 1.0
+        fam.rescale()  # the base predictions changed with the points
         fam.warmup = WARMUP_STEPS  # the first steps after a measuring forward
         if fam.phase is Phase.MEASURE:
             fam.phase = Phase.VERIFY
         if all(p.cold for p in fam.model.points):
-            fam.reprobe = True  # once more, warm, at the choice's own plan
+            # measured again, warm, at the choice's own plan; first a step without
+            # offloading (where memory allows) scales the cold costs that choice uses
+            fam.reprobe = fam.calibrate = True
 
     def _step_stats(
         self,

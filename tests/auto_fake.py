@@ -75,6 +75,10 @@ class FakeMeter(Meter):
         probe_factor: what a measuring forward's instrumentation multiplies every
             measured layer time by.
         memory: a :class:`FakeMemory`, or ``None`` (no gauge).
+        first_call: seconds a measuring forward's first call takes beyond its cost
+            (kernel selection for a shape not seen before).
+        cold_factor: what the offloader's first step multiplies every measured time by
+            (the allocator, the host pool and the kernels warming up).
     """
 
     def __init__(
@@ -86,6 +90,8 @@ class FakeMeter(Meter):
         step_time: Callable[[int, int], float] | None = None,
         probe_factor: float = 1.0,
         memory: FakeMemory | None = None,
+        first_call: float = 0.0,
+        cold_factor: float = 1.0,
     ) -> None:
         self.costs = costs
         self.bps = link
@@ -94,6 +100,8 @@ class FakeMeter(Meter):
             lambda n, k: predict_step(costs(n), range(k), link, link, None, gap(n))
         )
         self.probe_factor = probe_factor
+        self.first_call = first_call
+        self.cold_factor = cold_factor
         self.fake_memory = memory
         self.records: list[Any] = []
         self._times: dict[tuple[str, int], float] = {}
@@ -106,11 +114,13 @@ class FakeMeter(Meter):
         costs = self.costs(n)
         probe = record.run.value == "probe"
         f = self.probe_factor if probe else 1.0
+        if record.cold:
+            f *= self.cold_factor
         times: dict[tuple[str, int], float] = {("start", 0): 0.0}
         t = 0.0
         for i, c in enumerate(costs):
             times[("f0", i)] = t
-            t += c.forward_s * f
+            t += c.forward_s * f + (self.first_call if probe and i == 0 else 0.0)
             times[("f1", i)] = t
         t += self.gap(n) * f
         for i in range(len(costs) - 1, -1, -1):

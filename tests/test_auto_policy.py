@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 import offload
 from offload import _auto_policy
-from offload._auto import LayerCost, choose
+from offload._auto import LayerCost, choose, predict_step
 from tests import models
 from tests.auto_fake import FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
 from tests.models import assert_same, step, twin
@@ -164,7 +165,10 @@ def test_lengths_are_measured_again_only_when_the_prediction_proves_wrong() -> N
     for seq in (16, 16, 24, 40, 56, 20, 48, 36, 60, 28):
         _run(layers, ref, off, seq)
     probes = [r for r in linear.records if r.run is _auto_policy.Run.PROBE]
-    assert [r.tokens for r in probes] == [32, 32]  # the first step, then once warm
+    # the first step; then one step without offloading scales its cold costs, and the
+    # step after it measures once more, warm
+    assert [r.tokens for r in probes] == [32, 48]
+    assert linear.records[1].run is _auto_policy.Run.NONE
     # attention-bound: lengths far from those measured are measured again, until the
     # fit holds; then no more
     quad = FakeMeter(_attention_costs(1e-6, 4e-7, L), 2e8)
@@ -244,6 +248,71 @@ def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift(
     runs = [_run(layers, ref, off, 16) for _ in range(_auto_policy.WATCH_EVERY * 6 + 10)]
     assert any("drifted" in r["verification"] for r in runs)
     assert runs[-1]["chosen"] == [] and runs[-1]["sent"] == 0
+
+
+def test_a_new_length_every_step_offloads_within_the_limit_from_the_second_step() -> None:
+    # as a GPU shows it: the measuring forward reads every layer twice as slow as a real
+    # step takes it, its first call pays the kernel selection of a new shape, and the
+    # offloader's first step costs five times more; taken at face value, the choice
+    # offloads layers whose copies stall. Real steps stall where the link cannot keep up.
+    L = 8
+    layers, ref = _model(L)
+    true = _attention_costs(2e-5, 4e-8, L)
+    released = {seq: _released(layers, seq) for seq in range(24, 65)}
+
+    def real(n: int) -> list[LayerCost]:
+        return [dataclasses.replace(c, nbytes=b) for c, b in zip(true(n), released[n // 2])]
+
+    bps = real(96)[0].nbytes / 6e-3  # about two of eight layers hide at seq 48
+    meter = FakeMeter(
+        true,
+        bps,
+        probe_factor=2.0,
+        first_call=5e-2,
+        cold_factor=5.0,
+        step_time=lambda n, k: predict_step(real(n), range(k), bps, bps, None, 0.0),
+    )
+    off = _auto_offloader(layers, meter)
+    rng = random.Random(0)
+    bounds = state_bounds()
+    rows = []
+    for i in range(40):
+        seq = rng.randint(24, 64)
+        auto = _run(layers, ref, off, seq)
+        k = len(auto["offloaded"])
+        n = 2 * seq
+        ratio = meter.step_time(n, k) / meter.step_time(n, 0)
+        best = len(choose(real(n), bps, bps, 0.03).offloaded)
+        rows.append((i, seq, auto["step"], k, best, round(ratio, 4)))
+        state = off._auto.state_size()
+        assert all(state[key] <= bounds[key] for key in bounds), (i, state)
+        assert auto["ran"] == auto["offloaded"] and (auto["sent"] > 0) == (k > 0), (i, auto)
+    later = rows[1:]
+    assert all(r[5] <= 1.03 + 1e-9 for r in later), rows  # within the limit from step 2
+    assert sum(r[2] == "none" for r in later) <= _auto_policy.VERIFY_STEPS + 1, rows
+    assert sum(r[2] == "probe" for r in later) <= 6, rows
+    # and it offloads: on the steps of the choice, most of the layers that hide
+    plan = [r for r in later if r[2] == "plan"]
+    assert sum(r[3] for r in plan) >= 0.8 * sum(r[4] for r in plan), rows
+
+
+def test_a_one_time_cost_in_one_call_does_not_move_the_choice() -> None:
+    # the measuring forward's first call pays for kernel selection (or host memory
+    # growth): ten layers' worth of time in one call, which no later step pays
+    L = 6
+    layers, ref = _model(L)
+    costs = [LayerCost(1e-3, 2e-3, 0)] * L
+    freed = _released(layers, 16)
+    chosen = []
+    for extra in (0.0, 3e-2):
+        meter = FakeMeter(lambda n: costs, freed[0] / 4.5e-3, first_call=extra)
+        off = _auto_offloader(layers, meter)
+        runs = [_run(layers, ref, off, 16) for _ in range(4)]
+        chosen.append(runs[-1]["chosen"])
+        est = _family(off).model.predict(32, 32 * 16)
+        assert est.costs[0].forward_s == pytest.approx(1e-3, rel=0.01)
+        off.close()
+    assert chosen[0] == chosen[1] and 0 < len(chosen[0]) < L - 1, chosen
 
 
 # ---- bounded state ---------------------------------------------------------------------
