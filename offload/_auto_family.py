@@ -22,8 +22,8 @@ memory forces is never backed off.
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
 or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
-(the median ratio, kept per kind of step; steps without offloading first, as they hold
-no stall), which multiplies every predicted compute time. A step at another size whose
+(the lower quartile of the ratios, kept per kind of step; steps without offloading
+first, as they hold no stall), which multiplies every predicted compute time. A step at another size whose
 ratio is further off means the prediction was wrong there: the next step measures
 again. When the measured sizes change, the scale is taken again from the steps without
 offloading kept (:meth:`Family.rescale`).
@@ -213,7 +213,7 @@ class Family:
             p = self.base(n, q)
             if p > 0:
                 ratios.append(t / p)
-        self.scale = statistics.median(ratios) if ratios else 1.0
+        self.scale = _low(ratios) if ratios else 1.0
 
     def settle(self, note: str) -> None:
         self.phase = Phase.SETTLED
@@ -340,7 +340,7 @@ class Family:
             # what the step took beyond the prediction is the instrumentation's share
             # (and the first step's), at every size the prediction holds
             self.residuals[run].append(rho)
-            scale = statistics.median(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
+            scale = _low(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
             if abs(scale / self.scale - 1.0) > RESCALE:
                 self.scale = scale
                 self.new_generation()
@@ -366,6 +366,15 @@ class Family:
         mine = self.normalized(record.tokens, record.quad, seconds)
         theirs = self.normalized(last[1], last[2], last[3])
         return mine / theirs if mine is not None and theirs else None
+
+
+def _low(values: Any) -> float:
+    """The lower quartile: what a step takes beyond its prediction is noise both ways,
+    plus one-time costs one way only (a garbage collection, a first allocation);
+    reading the scale low keeps them from making compute look longer than it is (which
+    would hide copies that stall)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
 
 
 def base_seconds(est: Estimate) -> float:

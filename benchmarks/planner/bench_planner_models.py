@@ -381,6 +381,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available here; use --device cpu --quick")
+    if args.device.type == "cuda" and args.device.index is None:
+        args.device = torch.device("cuda", torch.cuda.current_device())
     if args.device.type == "cpu" and not args.quick:
         parser.error("--device cpu is a smoke run: add --quick")
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
