@@ -263,6 +263,10 @@ class AutoPolicy:
                 "state": self.state_size(),
             }
             return
+        if self._cold and device.type == "cuda":
+            # the link probe (pinned memory, copies: a few hundred ms once) runs in the
+            # offloader's first step, which warms up anyway, not in the first decided one
+            meter.link(device)
         record = StepRecord(
             family=fam,
             tokens=tokens,
