@@ -266,6 +266,29 @@ def _fmt(x: float | None, digits: int) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _write(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], device: Any,
+           cuda: bool, started: float) -> dict[str, Any]:
+    """The JSON so far (written after every run: a run cut short keeps what it measured)."""
+    summary = {
+        name: {
+            "ratios": [r["ratio"] for r in rows],
+            "shares": [r["share"] for r in rows],
+            "ratio_ok": all(r["ratio"] is not None and r["ratio"] <= LIMIT for r in rows),
+            "share_ok": all(r["share"] is not None and r["share"] >= 0.9 for r in rows),
+        }
+        for name, rows in results.items()
+    }
+    env = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "seconds": time.perf_counter() - started,
+        "args": vars(args),
+    }
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "summary": summary, "results": results}, f, indent=1, default=str)
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -339,27 +362,12 @@ def main() -> None:
                 f"{_fmt(best_saved, 2)} GiB; share {_fmt(row['share'], 2)}",
                 flush=True,
             )
+        _write(args, results, device, cuda, started)
     for fixed, _ in fixed_for.values():
         fixed.close()
-    summary = {
-        name: {
-            "ratios": [r["ratio"] for r in rows],
-            "shares": [r["share"] for r in rows],
-            "ratio_ok": all(r["ratio"] is not None and r["ratio"] <= LIMIT for r in rows),
-            "share_ok": all(r["share"] is not None and r["share"] >= 0.9 for r in rows),
-        }
-        for name, rows in results.items()
-    }
-    env = {
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "seconds": time.perf_counter() - started,
-        "args": vars(args),
-    }
-    with open(args.out, "w") as f:
-        json.dump({"env": env, "summary": summary, "results": results}, f, indent=1, default=str)
+    summary = _write(args, results, device, cuda, started)
     print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out} in {env['seconds']:.0f} s")
+    print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
