@@ -220,7 +220,7 @@ class _ModuleHook:
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
 
-    __slots__ = ("arity", "fn", "traced")
+    __slots__ = ("arity", "fn", "traced", "bound")
 
     def __init__(self, fn: Callable[..., None] | None, arity: int = 0) -> None:
         self.fn = fn
@@ -232,12 +232,12 @@ class _ModuleHook:
         self.arity = arity
         #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
         #: the module's hooks with its forward): ``fn``, run eagerly, outside the graph
-        self.traced = None if fn is None else _dynamo.eager(fn)
+        self.traced, self.bound = (None, ()) if fn is None else _dynamo.eager_method(fn)
 
     def __call__(self, *args: Any) -> None:
         if self.fn is not None and (not self.arity or len(args) == self.arity):
             if torch.compiler.is_compiling():
-                self.traced(*args)  # type: ignore[misc]
+                self.traced(*self.bound, *args)  # type: ignore[misc]
             else:
                 self.fn(*args)  # without the eager wrapper's cost (about a microsecond)
 
