@@ -57,11 +57,12 @@ def _costs(
 
 
 def _brute_force(costs: PlanCosts, budget: float, levers=LEVERS) -> tuple[float, list[str]]:
-    """The fastest assignment of all (last layer never offloaded) that fits."""
+    """The fastest assignment of all that fits (the last layer never takes a lever of
+    ``NOT_LAST``)."""
     best = None
     L = costs.num_layers
     for combo in itertools.product(levers, repeat=L):
-        if combo[-1] in OFFLOADED or costs.memory(combo) > budget:
+        if combo[-1] in _levers.NOT_LAST or costs.memory(combo) > budget:
             continue
         t = costs.seconds(combo)
         if best is None or t < best[0]:
@@ -188,6 +189,9 @@ def _assert_same(a, b) -> None:
         ["offload", "selective_offload", "checkpoint", "selective"],
         ["checkpoint_offload"] * 3 + ["checkpoint"],
         ["selective_offload", "checkpoint_offload", "offload", "selective"],
+        ["selective_offload_inputs"] * 4,
+        ["checkpoint_offload"] * 4,
+        ["offload", "selective_offload_inputs", "selective", "checkpoint_offload"],
     ],
     ids=[
         "offload",
@@ -198,6 +202,9 @@ def _assert_same(a, b) -> None:
         "mixed2",
         "checkpoint_offload",
         "mixed3",
+        "selective_offload_inputs",
+        "checkpoint_offload_last",
+        "mixed4",
     ],
 )
 def test_every_lever_bitwise_on_reference_block(levers) -> None:
@@ -767,11 +774,12 @@ def test_checkpoint_offload_in_the_cost_model() -> None:
     budget = (c.memory(sent) + c.memory(plain)) / 2
     got = optimize(c, budget)
     assert "checkpoint_offload" in got and c.memory(got) <= budget
-    with pytest.raises(ValueError, match="last layer cannot be 'checkpoint_offload'"):
-        Plan(
-            torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2)),
-            ["keep", "checkpoint_offload"],
-        )
+    # the last layer may send its inputs: its group is released at its close, before
+    # the head (the levers that send most of a layer's bytes may not take it)
+    two = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+    assert Plan(two, ["keep", "checkpoint_offload"]).levers[-1] == "checkpoint_offload"
+    with pytest.raises(ValueError, match="last layer cannot be 'selective_offload'"):
+        Plan(two, ["keep", "selective_offload"])
     with pytest.raises(ValueError, match="smallest feasible"):
         optimize(c, budget, levers=("checkpoint", "selective", "offload"))
 
