@@ -3,7 +3,7 @@ like HF Llama ~1.1B the smallest feasible peak is at or below Hugging Face
 checkpointing with ``offload_checkpointing()`` (the last layer's inputs leave the device
 before the head, as that does); ``selective_offload_inputs`` (selective recompute whose
 inputs travel) and ``checkpoint_offload`` on the last layer run bitwise like the model
-without levers; the last layer's group is released at its close; plans stay at least
+without levers (on a tiny Hugging Face Llama too: ``tests/test_planner.py``); the last layer's group is released at its close; plans stay at least
 as fast as the best single lever that fits; the plan's table shows what no lever
 touches."""
 
@@ -17,22 +17,19 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
-from offload._planner import plan as _plan_module
 from offload._planner import search as _search
-from offload._planner import verify as _verify
-from offload._planner.levers import NOT_LAST, OFFLOADED
+from offload._planner.levers import NOT_LAST
 from offload._planner.plan import Plan
-from offload._reference import ReferenceModel
+from tests.test_planner import _assert_same, _ref_model, _step, inject_measurements
 from tests.test_planner_guarantee import GIB, _layers, _llama_like, _measured
-
-#: What the model reaches when every layer is checkpointed with its inputs offloaded
-#: (Hugging Face checkpointing plus ``offload_checkpointing()``), in the terms of
-#: ``offload/_planner/costs.py``: every input on the host while the head runs (``H``);
-#: at a layer's backward its recompute (``S + W``) and the inputs of the layer below,
-#: prefetched.
 
 
 def _hf_offloaded(c) -> float:
+    """What the model gives every layer checkpointed with its inputs offloaded (Hugging
+    Face checkpointing plus ``offload_checkpointing()``), in the terms of
+    ``offload/_planner/costs.py``: every input on the host while the head runs (``H``);
+    at a layer's backward its recompute (``S + W``) and the inputs of the layer below,
+    prefetched."""
     S, W, H = c.saved_bytes[0], c.workspace_bytes, c.head_bytes
     return max(H, S + W + c.checkpoint_kept * S)
 
@@ -152,26 +149,6 @@ def test_never_slower_than_the_best_single_lever(monkeypatch, fraction: float) -
 # ---- the runtime -------------------------------------------------------------------------
 
 
-def _ref_model() -> ReferenceModel:
-    torch.manual_seed(0)
-    return ReferenceModel(4, 64, 4, 160)
-
-
-def _grads(model: torch.nn.Module, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    for p in model.parameters():
-        p.grad = None
-    loss = loss_fn(model)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _assert_same(a, b) -> None:
-    assert torch.equal(a[0], b[0])
-    assert len(a[1]) == len(b[1]) > 0
-    for ga, gb in zip(a[1], b[1]):
-        assert torch.equal(ga, gb)
-
-
 def test_selective_offload_inputs_sends_only_the_inputs_bitwise() -> None:
     """Every layer ``selective_offload_inputs``, the last included: each sends its
     input (one tensor of the residual stream's size) and nothing else (the kept
@@ -184,7 +161,7 @@ def test_selective_offload_inputs_sends_only_the_inputs_bitwise() -> None:
     try:
         for _ in range(3):  # the first step of a selective layer learns what it keeps
             x = torch.randn(2, 32, 64)
-            _assert_same(_grads(ref, lambda m: m.loss(x)), _grads(model, lambda m: m.loss(x)))
+            _assert_same(_step(ref, x), _step(model, x))
             stats = p.offloader.stats
             width = x.numel() * x.element_size()  # batch x seq x hidden, fp32
             assert [la.bytes_offloaded for la in stats.layers] == [width] * 4
@@ -196,7 +173,7 @@ def test_selective_offload_inputs_sends_only_the_inputs_bitwise() -> None:
     both.apply(model)
     try:
         x = torch.randn(2, 32, 64)
-        _assert_same(_grads(ref, lambda m: m.loss(x)), _grads(model, lambda m: m.loss(x)))
+        _assert_same(_step(ref, x), _step(model, x))
         assert both.offloader.stats.layers[0].bytes_offloaded > width
     finally:
         both.remove()
@@ -228,7 +205,7 @@ def test_the_last_layer_input_leaves_before_the_head(lever: str) -> None:
             loss = h.float().square().mean()  # ReferenceModel.loss
             loss.backward()
             got = loss.detach(), [q.grad.clone() for q in model.parameters()]
-            _assert_same(_grads(ref, lambda m: m.loss(x)), got)
+            _assert_same(_step(ref, x), got)
             stats = p.offloader.stats
             assert stats.layers[-1].bytes_offloaded == x.numel() * x.element_size()
             assert stats.bytes_reloaded == stats.bytes_offloaded
@@ -237,66 +214,11 @@ def test_the_last_layer_input_leaves_before_the_head(lever: str) -> None:
         hook.remove()
 
 
-def test_hf_llama_input_levers_bitwise() -> None:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 64, (2, 16))
-
-    def loss_of(m):
-        return m(input_ids=ids, labels=ids).loss
-
-    layers = offload.find_layers(model)
-    for levers in (
-        ["selective_offload_inputs"] * 3,
-        ["checkpoint_offload"] * 3,
-        ["offload", "selective_offload_inputs", "checkpoint_offload"],
-    ):
-        p = Plan(layers, levers, min_tensor_bytes=0).apply(model)
-        try:
-            for _ in range(3):  # the second and third steps skip what the first learnt
-                _assert_same(_grads(ref, loss_of), _grads(model, loss_of))
-                sent = [la.bytes_offloaded for la in p.offloader.stats.layers]
-                assert all((n > 0) == (lv in OFFLOADED) for n, lv in zip(sent, levers))
-        finally:
-            p.remove()
-    _assert_same(_grads(ref, loss_of), _grads(model, loss_of))
-
-
 def test_plan_measures_the_selective_step_for_the_input_lever(monkeypatch) -> None:
     """``offload.plan`` with only ``selective_offload_inputs`` allowed measures the
     every-layer selective step (its kept fraction and time are fitted to it) and no
     offload step (it sends only inputs, as ``checkpoint_offload`` does)."""
-    from offload import _auto, _auto_policy
-
-    monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
-    monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
-    real_init = _auto_policy.AutoPolicy.__init__
-
-    def measuring_init(self):
-        real_init(self)
-        self.measure_on_cpu = True
-
-    monkeypatch.setattr(_auto_policy.AutoPolicy, "__init__", measuring_init)
-    peaks = iter([1000.0, 600.0] + [500.0] * 30)
-
-    def fake_run(step_fn, steps, warmup):
-        for _ in range(steps + warmup):
-            step_fn()
-        return {"seconds": 0.01, "peak_bytes": next(peaks), "times": [0.01] * steps}
-
-    monkeypatch.setattr(_verify, "measure_step", fake_run)
+    inject_measurements(monkeypatch, [1000.0, 600.0] + [500.0] * 30)
     model = _ref_model()
     x = torch.randn(2, 32, 64)
     chosen = offload.plan(

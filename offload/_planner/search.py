@@ -14,10 +14,10 @@ levers of :data:`~offload._planner.levers.NOT_LAST` never take it). For each ``k
 search), so it evaluates O(L^3 log L) plans, each in O(L); beyond
 :data:`FULL_SEARCH` layers it tries the counts on a stride first and then every count
 near the fastest families found, which keeps the number of plans about that of
-:data:`FULL_SEARCH` layers. The fastest few of them are then improved by hill climbing
-(one layer's lever changed, or two neighbours swapped, while the predicted time drops
-within the budget), which reaches the plans outside that form that mixed layer kinds
-favour. The tests check the result against brute force over every assignment on small
+:data:`FULL_SEARCH` layers. The fastest few of them (:data:`POLISHED`, each more than
+two layers from the others) are then improved by hill climbing (one layer's lever
+changed, or two neighbours swapped, while the predicted time drops within the budget),
+which reaches the plans outside that form that mixed layer kinds favour. The tests check the result against brute force over every assignment on small
 models.
 
 The single-lever plans (:func:`single_levers`: nothing, offloading all that hides,
@@ -45,8 +45,9 @@ __all__ = [
     "single_levers",
 ]
 
-#: How many of the fastest family plans :func:`candidates` improves layer by layer.
-POLISHED = 4
+#: How many of the fastest family plans :func:`candidates` improves layer by layer (the
+#: fastest that differ from each other in more than two layers).
+POLISHED = 6
 
 #: Up to this many layers :func:`candidates` tries every family; with more, every
 #: ``ceil(L / FULL_SEARCH)``-th count of each lever first, then every count near the
@@ -237,13 +238,26 @@ def candidates(
     # then improve the best few one layer at a time (plans outside the family: an
     # input-offloaded checkpoint before a selective_offload layer, a plain checkpoint
     # between offloaded ones); improved plans that are new join the list
-    for _, levers in found[:POLISHED]:
+    for levers in _distinct(found, POLISHED):
         better = _polish(costs, budget_bytes, levers, sorted(allowed), key)
         if tuple(better) not in seen:
             seen.add(tuple(better))
             found.append((costs.seconds(better), better))
     found.sort(key=key)
     return found
+
+
+def _distinct(found: list[tuple[float, list[str]]], n: int) -> list[list[str]]:
+    """The first ``n`` plans of ``found`` that differ from each other in more than two
+    layers: a plan within two layers of a better-ranked one is a move or two of the hill
+    climbing from it, and would take a start from a plan of another shape."""
+    starts: list[list[str]] = []
+    for _, levers in found:
+        if len(starts) == n:
+            break
+        if all(sum(a != b for a, b in zip(levers, s)) > 2 for s in starts):
+            starts.append(levers)
+    return starts
 
 
 def _ranking(costs: PlanCosts) -> Callable[[tuple[float, list[str]]], tuple[float, ...]]:
