@@ -1,11 +1,11 @@
 """Offloaded inputs with every recompute lever, on the CPU: on synthetic costs shaped
-like HF Llama ~1.1B the smallest feasible peak is at or below Hugging Face
-checkpointing with ``offload_checkpointing()`` (the last layer's inputs leave the device
-before the head, as that does); ``selective_offload_inputs`` (selective recompute whose
-inputs travel) and ``checkpoint_offload`` on the last layer run bitwise like the model
-without levers (on a tiny Hugging Face Llama too: ``tests/test_planner.py``); the last layer's group is released at its close; plans stay at least
-as fast as the best single lever that fits; the plan's table shows what no lever
-touches."""
+like HF Llama ~1.1B the smallest feasible peak is at or below Hugging Face checkpointing
+with ``offload_checkpointing()`` (the last layer's inputs leave the device before the
+head, as that does); ``selective_offload_inputs`` (selective recompute whose inputs
+travel) and ``checkpoint_offload`` on the last layer run bitwise like the model without
+levers (on a tiny Hugging Face Llama too: ``tests/test_planner.py``); the last layer's
+group is released at its close; plans stay at least as fast as the best single lever
+that fits; the plan's table shows what no lever touches."""
 
 from __future__ import annotations
 

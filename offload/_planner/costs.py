@@ -3,26 +3,26 @@ memory and step time, from a few figures measured on the user's own step.
 
 The model is deliberately small so that every prediction can be explained:
 
-* **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured by
-  a forward with nothing offloaded). Between its forward and its backward it keeps
+* **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured
+  by a forward with nothing offloaded). Between its forward and its backward it keeps
   ``resident_i``: ``S_i`` (keep), 0 (offload, selective_offload, checkpoint_offload,
   once released), ``rho_sel * S_i`` (selective), ``rho_ckpt * S_i`` (checkpoint),
-  ``(rho_sel - rho_ckpt) * S_i`` (selective_offload_inputs: the kept outputs, its
-  inputs gone); the offloaded ones hold what they send (``S_i``, ``rho_sel * S_i``,
-  ``rho_ckpt * S_i``) until their release point and again once reloaded. The last
-  layer's group, when offloaded, is released at its own close, before the head. During its forward a layer builds all
-  ``S_i`` while the layers before it hold theirs (an offloaded group holds ``S_j`` until
-  its release point, ``# Note [release order]``); during its backward it holds all
-  ``S_i`` again (kept, reloaded or recomputed) while the layers below it hold their
-  residents and the offloaded groups already reloaded for later (the reload points)
-  hold ``S_j``. Each of those moments adds a workspace ``W``. Between the last layer's
-  forward and its backward (the head, the loss and their gradients, which no lever
-  touches) the layers hold their residents and the step adds ``H``. The predicted peak
-  is the largest of these moments. ``W`` and ``H`` come from the step without levers:
-  measured at each moment when :func:`offload.plan` could (``H`` known), else ``W`` is
-  its peak minus the sum of ``S_i`` and counts at every moment. ``rho_sel`` and
-  ``rho_ckpt`` are fitted to steps with each lever on every layer. Every prediction is
-  anchored on the measured peak without levers.
+  ``(rho_sel - rho_ckpt) * S_i`` (selective_offload_inputs: the kept outputs, its inputs
+  gone); the offloaded ones hold what they send (``S_i``, ``rho_sel * S_i``,
+  ``rho_ckpt * S_i``) until their release point and again once reloaded. The last layer's group,
+  when offloaded, is released at its own close, before the head. During its forward a
+  layer builds all ``S_i`` while the layers before it hold theirs (an offloaded group
+  holds ``S_j`` until its release point, ``# Note [release order]``); during its
+  backward it holds all ``S_i`` again (kept, reloaded or recomputed) while the layers
+  below it hold their residents and the offloaded groups already reloaded for later (the
+  reload points) hold ``S_j``. Each of those moments adds a workspace ``W``. Between the
+  last layer's forward and its backward (the head, the loss and their gradients, which
+  no lever touches) the layers hold their residents and the step adds ``H``. The
+  predicted peak is the largest of these moments. ``W`` and ``H`` come from the step
+  without levers: measured at each moment when :func:`offload.plan` could (``H`` known),
+  else ``W`` is its peak minus the sum of ``S_i`` and counts at every moment.
+  ``rho_sel`` and ``rho_ckpt`` are fitted to steps with each lever on every layer. Every
+  prediction is anchored on the measured peak without levers.
 * **Time.** Recompute adds to a layer's backward the measured extra time of its lever
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
   layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy

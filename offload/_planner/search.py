@@ -17,8 +17,8 @@ near the fastest families found, which keeps the number of plans about that of
 :data:`FULL_SEARCH` layers. The fastest few of them (:data:`POLISHED`, each more than
 two layers from the others) are then improved by hill climbing (one layer's lever
 changed, or two neighbours swapped, while the predicted time drops within the budget),
-which reaches the plans outside that form that mixed layer kinds favour. The tests check the result against brute force over every assignment on small
-models.
+which reaches the plans outside that form that mixed layer kinds favour. The tests
+check the result against brute force over every assignment on small models.
 
 The single-lever plans (:func:`single_levers`: nothing, offloading all that hides,
 selective or full recompute of every layer, full recompute with offloaded inputs) are
