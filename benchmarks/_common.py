@@ -125,6 +125,7 @@ LEVER_LETTERS = {
     "checkpoint": "c",
     "selective_offload": "S",
     "checkpoint_offload": "C",
+    "selective_offload_inputs": "i",
 }
 _LEVERS_BY_LETTER = {letter: lever for lever, letter in LEVER_LETTERS.items()}
 

@@ -158,7 +158,7 @@ def predict_step(
             d2h_done[i] = max(d2h_free, t)
     released = {g for groups in plan.release_at.values() for g in groups}
     for s in plan.offloaded - released:
-        t = max(t, d2h_done[s])  # released when the forward ends
+        t = max(t, d2h_done[s])  # the last call: released at its close, before the gap
     t += gap_s
     h2d_free = 0.0
     h2d_done: dict[int, float] = {}

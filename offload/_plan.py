@@ -22,7 +22,8 @@ class Schedule:
     """Release and reload points of one forward of ``num_groups`` layer calls.
 
     ``release_at[r]`` lists the groups released when the forward of call ``r`` starts
-    (groups whose release point is ``num_groups`` are released when the forward ends);
+    (a group whose release point is ``num_groups``, the last call planned, is released
+    at its own close, Note [release order] 3);
     ``reload_at[q]`` lists the groups reloaded when the backward of call ``q`` starts,
     in the order they will be needed. A call past ``num_groups`` (a forward longer than
     planned) follows ``select`` and is released when the forward ends.

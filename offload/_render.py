@@ -266,8 +266,10 @@ def render_profile(p: MemoryProfile, console: Any = None) -> None:
 
 def plan_table(plan: Plan) -> Any:
     """A :class:`rich.table.Table` of ``plan``: one row per layer (lever, bytes kept
-    between forward and backward, bytes sent each way, added backward ms) and a total
-    row."""
+    between forward and backward, bytes sent each way, added backward ms), a total row
+    and, when the costs know them, what no lever touches: the head's memory (``H``:
+    head, loss and their gradients, on top of what the layers keep) and the workspace
+    of a layer's forward or backward (``W``)."""
     from rich.table import Table
 
     from offload._planner.levers import summary
@@ -303,6 +305,11 @@ def plan_table(plan: Plan) -> Any:
             f"{extra_total * 1e3:.2f}",
             style="bold",
         )
+        untouched = "(no lever)"
+        if c.head_bytes is not None:
+            table.add_row("head", untouched, format_bytes(c.head_bytes), "-", "-", style="dim")
+        name = "workspace" if c.head_bytes is not None else "workspace+head"
+        table.add_row(name, untouched, format_bytes(c.workspace_bytes), "-", "-", style="dim")
     return table
 
 

@@ -31,11 +31,13 @@ Forward, group g (the call of layer g), offloaded:
    call on the host runs ahead. A large save takes a ready mark at save time, so its
    copy still waits only for its producer (a). Nothing is released before the close.
 2. *Close.* An event recorded on the D2H stream covers every copy of the group.
-3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g the j-th of the k
-   offloaded groups; at the end of the forward when ``r == L``) the compute stream waits
-   for that event (the device waits, the host does not) and the group drops its device
-   references (b). A version changed since the pack poisons the copy: its unpack raises
-   autograd's "modified by an inplace operation" error.
+3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g the j-th of the
+   k offloaded groups; ``r == L`` only for the last call planned, released at its own
+   close: the head and the loss that run next often hold the step's peak, and nothing
+   before the backward needs its saves) the compute stream waits for that event (the
+   device waits, the host does not) and the group drops its device references (b). A
+   version changed since the pack poisons the copy: its unpack raises autograd's
+   "modified by an inplace operation" error.
 
 Backward (possibly on autograd's device threads):
 
@@ -257,9 +259,10 @@ class Step(Saves, GroupLife):
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
-            if self.recording.releases_at_close:
+            last = group.offload and group.index == self.plan.num_groups - 1
+            if self.recording.releases_at_close or (last and self.trigger.releases_at_end):
                 # this layer's graph ends with the layer: join its D2H now (Note
-                # [release order], "CUDA graphs")
+                # [release order], "CUDA graphs"); or the last call planned (3)
                 self._release(group)
             index = group.index
         if self.watch is not None:

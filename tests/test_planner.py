@@ -57,11 +57,12 @@ def _costs(
 
 
 def _brute_force(costs: PlanCosts, budget: float, levers=LEVERS) -> tuple[float, list[str]]:
-    """The fastest assignment of all (last layer never offloaded) that fits."""
+    """The fastest assignment of all that fits (the last layer never takes a lever of
+    ``NOT_LAST``)."""
     best = None
     L = costs.num_layers
     for combo in itertools.product(levers, repeat=L):
-        if combo[-1] in OFFLOADED or costs.memory(combo) > budget:
+        if combo[-1] in _levers.NOT_LAST or costs.memory(combo) > budget:
             continue
         t = costs.seconds(combo)
         if best is None or t < best[0]:
@@ -188,6 +189,9 @@ def _assert_same(a, b) -> None:
         ["offload", "selective_offload", "checkpoint", "selective"],
         ["checkpoint_offload"] * 3 + ["checkpoint"],
         ["selective_offload", "checkpoint_offload", "offload", "selective"],
+        ["selective_offload_inputs"] * 4,
+        ["checkpoint_offload"] * 4,
+        ["offload", "selective_offload_inputs", "selective", "checkpoint_offload"],
     ],
     ids=[
         "offload",
@@ -198,6 +202,9 @@ def _assert_same(a, b) -> None:
         "mixed2",
         "checkpoint_offload",
         "mixed3",
+        "selective_offload_inputs",
+        "checkpoint_offload_last",
+        "mixed4",
     ],
 )
 def test_every_lever_bitwise_on_reference_block(levers) -> None:
@@ -379,11 +386,16 @@ def test_hf_llama_every_lever_bitwise() -> None:
         ["offload", "selective", "checkpoint"],
         ["checkpoint", "offload", "keep"],
         ["selective_offload", "selective_offload", "keep"],
+        ["selective_offload_inputs"] * 3,
+        ["checkpoint_offload"] * 3,
+        ["offload", "selective_offload_inputs", "checkpoint_offload"],
     ):
         p = Plan(layers, levers, min_tensor_bytes=0).apply(model)
         for _ in range(3):  # the second and third steps skip what the first learnt
             _assert_same(step(ref), step(model))
         assert p.offloader.stats.bytes_offloaded > 0
+        sent = [la.bytes_offloaded for la in p.offloader.stats.layers]
+        assert all((n > 0) == (lv in OFFLOADED) for n, lv in zip(sent, levers))
         for w in p._wrappers:  # the down projection's output is never asked for
             assert w.kept.unused or w.lever not in ("selective", "selective_offload")
         p.remove()
@@ -647,10 +659,10 @@ def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
         dataclasses.replace(c, offload_s=[1.0])
 
 
-def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
-    """``offload.plan``'s own logic on the CPU: the measuring configurations in order,
-    the fit, the search and the verification, with device times and peaks injected
-    (the GPU run of the same path is tests/test_planner_cuda.py)."""
+def inject_measurements(monkeypatch, peaks: list[float]) -> None:
+    """``offload.plan`` runnable on the CPU: CUDA said to be there, the link and the
+    "auto" offloader's measuring forward made to work on the CPU, and every measured
+    configuration's steps run with 10 ms each and the next of ``peaks`` as its peak."""
     from offload import _auto, _auto_policy
 
     monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
@@ -662,16 +674,21 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         self.measure_on_cpu = True
 
     monkeypatch.setattr(_auto_policy.AutoPolicy, "__init__", measuring_init)
-    peaks = iter([1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 30)
-    runs = []
+    left = iter(peaks)
 
     def fake_run(step_fn, steps, warmup):
         for _ in range(steps + warmup):
             step_fn()
-        runs.append((steps, warmup))
-        return {"seconds": 0.01, "peak_bytes": next(peaks), "times": [0.01] * steps}
+        return {"seconds": 0.01, "peak_bytes": next(left), "times": [0.01] * steps}
 
     monkeypatch.setattr(_verify, "measure_step", fake_run)
+
+
+def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
+    """``offload.plan``'s own logic on the CPU: the measuring configurations in order,
+    the fit, the search and the verification, with device times and peaks injected
+    (the GPU run of the same path is tests/test_planner_cuda.py)."""
+    inject_measurements(monkeypatch, [1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 30)
     model = _ref_model()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 32, 64)
@@ -767,11 +784,12 @@ def test_checkpoint_offload_in_the_cost_model() -> None:
     budget = (c.memory(sent) + c.memory(plain)) / 2
     got = optimize(c, budget)
     assert "checkpoint_offload" in got and c.memory(got) <= budget
-    with pytest.raises(ValueError, match="last layer cannot be 'checkpoint_offload'"):
-        Plan(
-            torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2)),
-            ["keep", "checkpoint_offload"],
-        )
+    # the last layer may send its inputs: its group is released at its close, before
+    # the head (the levers that send most of a layer's bytes may not take it)
+    two = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+    assert Plan(two, ["keep", "checkpoint_offload"]).levers[-1] == "checkpoint_offload"
+    with pytest.raises(ValueError, match="last layer cannot be 'selective_offload'"):
+        Plan(two, ["keep", "selective_offload"])
     with pytest.raises(ValueError, match="smallest feasible"):
         optimize(c, budget, levers=("checkpoint", "selective", "offload"))
 

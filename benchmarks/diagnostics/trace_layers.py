@@ -8,7 +8,7 @@ Command (one GPU, about 20 s)::
 Model: ref-8L (``ReferenceModel(8, 4096, 32, 14336)``, bf16, seed 0); a step is
 ``model.loss(x).backward()`` on a fresh ``x``. Each plan is a string of lever codes
 (``o`` offload, ``S`` selective_offload, ``s`` selective, ``c`` checkpoint, ``C``
-checkpoint_offload, ``.`` keep) applied with :class:`offload.Plan` (with ``--compress
+checkpoint_offload, ``i`` selective_offload_inputs, ``.`` keep) applied with :class:`offload.Plan` (with ``--compress
 fp8``, its offloaded layers' copies are compressed), each after
 ``gc.collect()`` and ``torch.cuda.empty_cache()``; ``........`` (no
 lever) is always measured first, as the reference. Per step, CUDA events are recorded on

@@ -6,9 +6,9 @@ Command (one GPU, about 30 s)::
         --out trace_plan.json
 
 Each plan is a string of one lever code per layer (``o`` offload, ``S``
-selective_offload, ``s`` selective, ``c`` checkpoint, ``C`` checkpoint_offload, ``.``
-keep), applied with :class:`offload.Plan` (``--compress fp8``: its offloaded layers
-compressed) around ref-8L's forward. Per plan: the median step time of ``--steps`` steps
+selective_offload, ``s`` selective, ``c`` checkpoint, ``C`` checkpoint_offload, ``i``
+selective_offload_inputs, ``.`` keep), applied with :class:`offload.Plan` (``--compress
+fp8``: its offloaded layers compressed) around ref-8L's forward. Per plan: the median step time of ``--steps`` steps
 (CUDA events, after 3 warm-up steps, the caching allocator emptied first), then one step
 under ``torch.profiler``. From the profile: ``device ms`` (first kernel start to last
 kernel end); ``backward from`` (where a 1-cycle ``torch.cuda._sleep`` kernel queued

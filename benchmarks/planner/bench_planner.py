@@ -71,8 +71,9 @@ Columns of the single-lever table (also):
 
 Columns of the plans table:
 
-* ``budget``: its name and bytes; ``levers``: one letter per layer, ``o`` offload, ``s``
-  selective, ``c`` checkpoint, ``.`` keep, then the counts;
+* ``budget``: its name and bytes; ``levers``: one letter per layer, ``o`` offload, ``S``
+  selective_offload, ``s`` selective, ``c`` checkpoint, ``C`` checkpoint_offload, ``i``
+  selective_offload_inputs, ``.`` keep, then the counts;
 * ``bytes``: the budget in bytes;
 * ``pred ms``, ``pred peak``: ``plan.predicted_seconds``, ``plan.predicted_bytes``;
   ``step ms``, ``x none``, ``act peak``: measured as above; ``t err``, ``m err``:
@@ -531,7 +532,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"step ms: median of {s['steps']} timed steps after {s['warmup']} warm-up ({clock}); "
         "act peak: peak allocated during a step minus allocated before it (weights + "
         "gradients); x none: ratio to 'no lever' of step 1; t err / m err: predicted / "
-        "measured - 1; levers: o offload, S selective_offload, s selective, c checkpoint, C checkpoint_offload, . keep. Definitions: "
+        "measured - 1; levers: o offload, S selective_offload, s selective, c checkpoint, C checkpoint_offload, i selective_offload_inputs, . keep. Definitions: "
         "header of benchmarks/planner/bench_planner.py."
     )
     if not env["device"].startswith("cuda"):

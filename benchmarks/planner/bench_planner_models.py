@@ -256,6 +256,13 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         candidates(costs, 0.0)
     except ValueError as exc:  # the smallest feasible peak the model predicts
         out["smallest_feasible"] = str(exc)
+    hf_peak = singles.get("hf checkpointing + offload", {}).get("peak_bytes")
+    print(
+        f"  {case.name}: {out.get('smallest_feasible')}; head {costs.head_bytes} B, "
+        f"workspace {costs.workspace_bytes} B; hf checkpointing + offload peak {hf_peak} B",
+        file=sys.stderr,
+        flush=True,
+    )
 
     budgets = []
     for bname, fraction in case.budgets.items():

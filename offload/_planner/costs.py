@@ -3,24 +3,26 @@ memory and step time, from a few figures measured on the user's own step.
 
 The model is deliberately small so that every prediction can be explained:
 
-* **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured by
-  a forward with nothing offloaded). Between its forward and its backward it keeps
+* **Memory.** Layer ``i`` saves ``S_i`` bytes (what offloading it would move, measured
+  by a forward with nothing offloaded). Between its forward and its backward it keeps
   ``resident_i``: ``S_i`` (keep), 0 (offload, selective_offload, checkpoint_offload,
-  once released), ``rho_sel * S_i`` (selective), ``rho_ckpt * S_i`` (checkpoint); the
-  offloaded ones hold what they send (``S_i``, ``rho_sel * S_i``, ``rho_ckpt * S_i``)
-  until their release point and again once reloaded. During its forward a layer builds all
-  ``S_i`` while the layers before it hold theirs (an offloaded group holds ``S_j`` until
-  its release point, ``# Note [release order]``); during its backward it holds all
-  ``S_i`` again (kept, reloaded or recomputed) while the layers below it hold their
-  residents and the offloaded groups already reloaded for later (the reload points)
-  hold ``S_j``. Each of those moments adds a workspace ``W``. Between the last layer's
-  forward and its backward (the head, the loss and their gradients, which no lever
-  touches) the layers hold their residents and the step adds ``H``. The predicted peak
-  is the largest of these moments. ``W`` and ``H`` come from the step without levers:
-  measured at each moment when :func:`offload.plan` could (``H`` known), else ``W`` is
-  its peak minus the sum of ``S_i`` and counts at every moment. ``rho_sel`` and
-  ``rho_ckpt`` are fitted to steps with each lever on every layer. Every prediction is
-  anchored on the measured peak without levers.
+  once released), ``rho_sel * S_i`` (selective), ``rho_ckpt * S_i`` (checkpoint),
+  ``(rho_sel - rho_ckpt) * S_i`` (selective_offload_inputs: the kept outputs, its inputs
+  gone); the offloaded ones hold what they send (``S_i``, ``rho_sel * S_i``,
+  ``rho_ckpt * S_i``) until their release point and again once reloaded. The last layer's group,
+  when offloaded, is released at its own close, before the head. During its forward a
+  layer builds all ``S_i`` while the layers before it hold theirs (an offloaded group
+  holds ``S_j`` until its release point, ``# Note [release order]``); during its
+  backward it holds all ``S_i`` again (kept, reloaded or recomputed) while the layers
+  below it hold their residents and the offloaded groups already reloaded for later (the
+  reload points) hold ``S_j``. Each of those moments adds a workspace ``W``. Between the
+  last layer's forward and its backward (the head, the loss and their gradients, which
+  no lever touches) the layers hold their residents and the step adds ``H``. The
+  predicted peak is the largest of these moments. ``W`` and ``H`` come from the step
+  without levers: measured at each moment when :func:`offload.plan` could (``H`` known),
+  else ``W`` is its peak minus the sum of ``S_i`` and counts at every moment.
+  ``rho_sel`` and ``rho_ckpt`` are fitted to steps with each lever on every layer. Every
+  prediction is anchored on the measured peak without levers.
 * **Time.** Recompute adds to a layer's backward the measured extra time of its lever
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
   layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
@@ -40,7 +42,7 @@ from typing import Any
 
 from offload import _auto
 from offload._plan import make_plan
-from offload._planner.levers import OFFLOADED
+from offload._planner.levers import OFFLOADED, RECOMPUTE_KIND
 
 __all__ = ["PlanCosts"]
 
@@ -157,6 +159,8 @@ class PlanCosts:
         s = self.saved_bytes[i]
         if lever == "keep":
             return s
+        if lever == "selective_offload_inputs":  # the kept outputs; the inputs travel
+            return max(0.0, self.selective_kept - self.checkpoint_kept) * s
         if lever in OFFLOADED:  # once released
             return 0.0
         if lever == "selective":
@@ -167,13 +171,17 @@ class PlanCosts:
         """The fraction of a layer's saved bytes that the offloader handles under
         ``lever``: all of them offloaded; what the recompute keeps (inputs included)
         under ``selective_offload`` (``rho_sel``) and ``checkpoint_offload``
-        (``rho_ckpt``); else none."""
+        (``rho_ckpt``); the inputs alone under ``selective_offload_inputs``
+        (``min(rho_ckpt, rho_sel)``: what a checkpoint keeps is the layer's inputs);
+        else none."""
         if lever == "offload":
             return 1.0
         if lever == "selective_offload":
             return self.selective_kept
         if lever == "checkpoint_offload":
             return self.checkpoint_kept
+        if lever == "selective_offload_inputs":
+            return min(self.checkpoint_kept, self.selective_kept)
         return 0.0
 
     def sent(self, i: int, lever: str, compressed: Sequence[bool] | None = None) -> float:
@@ -186,9 +194,10 @@ class PlanCosts:
 
     def extra_seconds(self, i: int, lever: str) -> float:
         """Backward seconds that ``lever``'s recompute adds to layer ``i``."""
-        if lever in ("selective", "selective_offload"):
+        kind = RECOMPUTE_KIND.get(lever)
+        if kind == "selective":
             return self.selective_s[i]
-        if lever in ("checkpoint", "checkpoint_offload"):
+        if kind == "checkpoint":
             return self.checkpoint_s[i]
         return 0.0
 
@@ -234,7 +243,8 @@ class PlanCosts:
             prefetched += back[i] - early[i]  # its own bytes are in S[i] now
             extra = self.prefetch_bytes if levers[i] in OFFLOADED else 0.0
             peak = max(peak, below + prefetched + S[i] + extra + W)
-        # the head: every released group is gone, no reload has started
+        # the head: every group is released (the last one at its close), no reload has
+        # started
         head = total + self.head_bytes if self.head_bytes is not None else total
         return max(peak, head)
 

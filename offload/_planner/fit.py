@@ -24,7 +24,7 @@ import torch
 from offload import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
-from offload._planner.levers import KeptKeys, Recompute
+from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
 from offload._timeline import Recorder
 
 __all__ = ["Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
@@ -210,7 +210,7 @@ def measure_configs(
             link = [int(s * ratio) for s in saved]
     learnt: list[KeptKeys] | None = None
     for lever in ("selective", "checkpoint"):
-        if lever in allowed or f"{lever}_offload" in allowed:
+        if any(RECOMPUTE_KIND.get(x) == lever for x in allowed):
             wrappers = [Recompute(layer, lever) for layer in layers]
             try:
                 configs[lever] = verify.measure_step(step_fn, steps, warmup)

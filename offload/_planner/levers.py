@@ -1,10 +1,13 @@
 """The levers a plan assigns to layers, and the recompute levers' wrapped forward.
 
-``keep`` and ``offload`` need nothing here (the offloader does the offloading); the four
+``keep`` and ``offload`` need nothing here (the offloader does the offloading); the five
 recompute levers run the layer's forward under ``torch.utils.checkpoint``
 (:class:`Recompute`), the selective ones through a pair of dispatch modes that keep the
 outputs of matrix products and attention (:class:`KeepOutputs`,
 :class:`RecomputeFromKept`) and learn which of them no recompute uses (:class:`KeptKeys`).
+A recompute lever whose layer the offloader handles sends what the checkpoint saves
+through the saved-tensor hooks (the layer's inputs), and under ``selective_offload`` the
+kept outputs too.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from offload._handles import Kept, Raw, unpack_hook
 __all__ = [
     "DEFAULT_LEVERS",
     "LEVERS",
+    "NOT_LAST",
     "OFFLOADED",
     "RECOMPUTED",
+    "RECOMPUTE_KIND",
     "SHORT",
     "CompressedLayers",
     "KeptKeys",
@@ -33,18 +38,51 @@ __all__ = [
 ]
 
 #: The levers (the search assigns them to layers in the order offload,
-#: selective_offload, checkpoint or checkpoint_offload, selective, keep).
-LEVERS = ("keep", "offload", "selective", "checkpoint", "selective_offload", "checkpoint_offload")
+#: selective_offload, checkpoint or checkpoint_offload, selective or
+#: selective_offload_inputs, keep).
+LEVERS = (
+    "keep",
+    "offload",
+    "selective",
+    "checkpoint",
+    "selective_offload",
+    "checkpoint_offload",
+    "selective_offload_inputs",
+)
 
 #: The levers :func:`offload.plan` may use unless told otherwise: every lever. Pass a
 #: subset to forbid some.
 DEFAULT_LEVERS = LEVERS
 
 #: The levers whose layers the offloader handles (in its ``offload_layers``).
-OFFLOADED = ("offload", "selective_offload", "checkpoint_offload")
+OFFLOADED = ("offload", "selective_offload", "checkpoint_offload", "selective_offload_inputs")
+
+#: The offloaded levers the last layer cannot take: they send most of what it saves,
+#: and nothing after it hides that copy (the head waits for it, and the last layer's
+#: backward for its reload, which starts with that backward). The levers that send only
+#: the layer's inputs (a few MiB: ``checkpoint_offload``, ``selective_offload_inputs``)
+#: may take it: its inputs then leave the device before the head and the loss, which
+#: often hold the step's peak.
+NOT_LAST = ("offload", "selective_offload")
 
 #: The levers that run the layer's forward under ``torch.utils.checkpoint``.
-RECOMPUTED = ("selective", "checkpoint", "selective_offload", "checkpoint_offload")
+RECOMPUTED = (
+    "selective",
+    "checkpoint",
+    "selective_offload",
+    "checkpoint_offload",
+    "selective_offload_inputs",
+)
+
+#: The recompute of each recompute lever: what :func:`offload.plan` measures on every
+#: layer to fit the lever's kept fraction and extra time.
+RECOMPUTE_KIND = {
+    "selective": "selective",
+    "selective_offload": "selective",
+    "selective_offload_inputs": "selective",
+    "checkpoint": "checkpoint",
+    "checkpoint_offload": "checkpoint",
+}
 
 #: Short names of the levers (tables, error messages).
 SHORT = {
@@ -54,6 +92,7 @@ SHORT = {
     "checkpoint": "ckpt",
     "selective_offload": "sel+off",
     "checkpoint_offload": "ckpt+off",
+    "selective_offload_inputs": "sel+in",
 }
 
 
@@ -212,10 +251,12 @@ class Recompute:
     """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full
     (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
     handles, so the inputs the checkpoint saves travel), or selective (``selective``:
-    the kept outputs stay on the device; ``selective_offload``: they go to
-    ``offloader``, entered around the forward) through :class:`KeepOutputs` and
-    :class:`RecomputeFromKept`; installed as the module's instance attribute
-    ``forward`` and removed by :meth:`remove` (which restores what was there before)."""
+    the kept outputs stay on the device; ``selective_offload_inputs``: the same on a
+    layer the offloader handles, so only its inputs travel; ``selective_offload``: the
+    kept outputs go to ``offloader`` too, entered around the forward) through
+    :class:`KeepOutputs` and :class:`RecomputeFromKept`; installed as the module's
+    instance attribute ``forward`` and removed by :meth:`remove` (which restores what
+    was there before)."""
 
     def __init__(
         self,
@@ -239,14 +280,15 @@ class Recompute:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         extra: dict[str, Any] = {}
-        if self.lever in ("selective", "selective_offload"):
+        if RECOMPUTE_KIND[self.lever] == "selective":
             extra["context_fn"] = self._selective_context
         return checkpoint(self.inner, *args, use_reentrant=False, **extra, **kwargs)
 
     def _selective_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """``context_fn`` of the selective levers: a fresh storage per layer call. The
         kept outputs go to the offloader's current step under ``selective_offload``
-        inside its context; otherwise they stay on the device (``offload._handles.Kept``)."""
+        inside its context; otherwise (``selective``, ``selective_offload_inputs``) they
+        stay on the device (``offload._handles.Kept``)."""
         step = None
         if self.lever == "selective_offload" and self.offloader is not None:
             step = self.offloader._step

@@ -17,6 +17,8 @@ Levers (:data:`~offload._planner.levers.LEVERS`):
 * ``"checkpoint_offload"``: full recompute whose inputs (all the checkpoint keeps) are
   offloaded: the layer keeps nothing on the device between its forward and its
   backward, and the link carries only its inputs (a few percent of its activations).
+* ``"selective_offload_inputs"``: selective recompute whose inputs are offloaded: the
+  kept outputs stay on the device, the link carries only the inputs.
 * ``"selective_offload"``: selective recompute whose kept tensors (the matrix products'
   and attention's outputs) are offloaded like an ``"offload"`` layer's: the recompute
   frees the cheap part, the link carries only what is expensive to recompute. Torch's
@@ -26,9 +28,12 @@ Levers (:data:`~offload._planner.levers.LEVERS`):
   The layer's inputs, which the checkpoint saves through the saved-tensor hooks, travel
   too.
 
-Both ``*_offload`` levers put their layer in the offloader's ``offload_layers``: what
-the checkpoint saves through saved-tensor hooks (its inputs) goes to the offloader like
-any saved tensor of an offloaded layer, on the same release and reload schedule.
+The three offloaded recompute levers put their layer in the offloader's
+``offload_layers``: what the checkpoint saves through saved-tensor hooks (its inputs)
+goes to the offloader like any saved tensor of an offloaded layer, on the same release
+and reload schedule. The two that send only the inputs may take the last layer (its
+group is released at its close, before the head and the loss); ``"offload"`` and
+``"selective_offload"`` may not (:data:`~offload._planner.levers.NOT_LAST`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from offload._planner.fit import fit_costs, measure_configs
 from offload._planner.levers import (
     DEFAULT_LEVERS,
     LEVERS,
+    NOT_LAST,
     OFFLOADED,
     RECOMPUTED,
     CompressedLayers,
@@ -82,8 +88,9 @@ class Plan:
 
     Raises:
         TypeError: ``levers`` is not a sequence of names.
-        ValueError: wrong number of levers, an unknown lever, the last layer offloaded,
-            ``compressed`` of the wrong length or without ``compress``.
+        ValueError: wrong number of levers, an unknown lever, the last layer
+            ``"offload"`` or ``"selective_offload"``, ``compressed`` of the wrong length
+            or without ``compress``.
 
     Example:
         >>> import torch, offload
@@ -114,11 +121,12 @@ class Plan:
                 f"levers has {len(self.levers)} entries for {len(self.layers)} layers; give one "
                 f"per layer"
             )
-        if self.levers and self.levers[-1] in OFFLOADED:
+        if self.levers and self.levers[-1] in NOT_LAST:
             raise ValueError(
                 f"levers: the last layer cannot be {self.levers[-1]!r} (its backward starts "
-                f"as soon as its forward ends: nothing to hide the copy behind); use 'keep' "
-                f"or a recompute lever"
+                f"as soon as its forward ends: nothing to hide the copy behind); use 'keep', "
+                f"a recompute lever, or one that sends only the inputs "
+                f"('checkpoint_offload', 'selective_offload_inputs')"
             )
         if compressed is not None:
             compressed = [bool(x) for x in compressed]

@@ -3,19 +3,22 @@ predicted step time (:func:`optimize`, :func:`candidates`).
 
 It considers the plans of the form "the first ``k`` layers offloaded, the next ``o``
 selective_offload, the next ``c`` checkpointed (all of them plain ``checkpoint`` or all
-``checkpoint_offload``), the next ``s`` selective, the rest kept": the offloaded layers
-come first (the release rule keeps the last groups resident, so early layers hide their
-copies best), and the recompute levers are ordered by what they keep (least first),
-which minimises every backward's peak for layers of equal size. For each ``k``, ``o``,
-``c`` and checkpoint kind it takes the fewest selective layers that fit (a binary
+``checkpoint_offload``), the next ``s`` selective (all plain ``selective`` or all
+``selective_offload_inputs``), the rest kept": the offloaded layers come first (the
+release rule keeps the last groups resident, so early layers hide their copies best),
+and the recompute levers are ordered by what they keep (least first), which minimises
+every backward's peak for layers of equal size. The checkpointed or selective layers
+may reach the last layer, whose inputs then leave the device before the head (the
+levers of :data:`~offload._planner.levers.NOT_LAST` never take it). For each ``k``,
+``o``, ``c`` and the two kinds it takes the fewest selective layers that fit (a binary
 search), so it evaluates O(L^3 log L) plans, each in O(L); beyond
 :data:`FULL_SEARCH` layers it tries the counts on a stride first and then every count
 near the fastest families found, which keeps the number of plans about that of
-:data:`FULL_SEARCH` layers. The fastest few of them are then improved by hill climbing
-(one layer's lever changed, or two neighbours swapped, while the predicted time drops
-within the budget), which reaches the plans outside that form that mixed layer kinds
-favour. The tests check the result against brute force over every assignment on small
-models.
+:data:`FULL_SEARCH` layers. The fastest few of them (:data:`POLISHED`, each more than
+two layers from the others) are then improved by hill climbing (one layer's lever
+changed, or two neighbours swapped, while the predicted time drops within the budget),
+which reaches the plans outside that form that mixed layer kinds favour. The tests
+check the result against brute force over every assignment on small models.
 
 The single-lever plans (:func:`single_levers`: nothing, offloading all that hides,
 selective or full recompute of every layer, full recompute with offloaded inputs) are
@@ -28,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from offload._planner.costs import PlanCosts
-from offload._planner.levers import LEVERS, OFFLOADED, check_levers, summary
+from offload._planner.levers import LEVERS, NOT_LAST, OFFLOADED, check_levers, summary
 
 __all__ = [
     "COMPRESS_GAIN",
@@ -42,8 +45,9 @@ __all__ = [
     "single_levers",
 ]
 
-#: How many of the fastest family plans :func:`candidates` improves layer by layer.
-POLISHED = 4
+#: How many of the fastest family plans :func:`candidates` improves layer by layer (the
+#: fastest that differ from each other in more than two layers).
+POLISHED = 6
 
 #: Up to this many layers :func:`candidates` tries every family; with more, every
 #: ``ceil(L / FULL_SEARCH)``-th count of each lever first, then every count near the
@@ -87,8 +91,8 @@ def single_levers(costs: PlanCosts, levers: Sequence[str] = LEVERS) -> list[tupl
     ``"keep"`` (nothing), ``"offload"`` (the longest prefix of layers whose copies the
     link hides within :data:`HIDDEN_SLOWDOWN`; absent when not even one layer's does),
     ``"selective"``, ``"checkpoint"`` (every layer) and ``"checkpoint_offload"``
-    (every layer but the last, which is checkpointed: its inputs stay, as the offloader
-    never offloads the last layer)."""
+    (every layer but the last, which is checkpointed: its inputs stay, so that no
+    backward waits for a reload; the search's plans may offload them too)."""
     allowed = set(check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     out: list[tuple[str, list[str]]] = [("keep", ["keep"] * L)]
@@ -106,12 +110,14 @@ def single_levers(costs: PlanCosts, levers: Sequence[str] = LEVERS) -> list[tupl
     return out
 
 
-def _family(L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint") -> list[str]:
+def _family(
+    L: int, k: int, o: int, c: int, s: int, ckpt: str = "checkpoint", sel: str = "selective"
+) -> list[str]:
     return (
         ["offload"] * k
         + ["selective_offload"] * o
         + [ckpt] * c
-        + ["selective"] * s
+        + [sel] * s
         + ["keep"] * (L - k - o - c - s)
     )
 
@@ -140,43 +146,48 @@ def candidates(
     costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS
 ) -> list[tuple[float, list[str]]]:
     """Every plan of the searched form whose predicted peak fits ``budget_bytes`` (for
-    each ``k`` offloaded, ``o`` selective_offload, ``c`` checkpointed and checkpoint
-    kind, the fewest selective layers that fit), as ``(predicted seconds, levers)``,
-    fastest first (equal times: fewer link bytes, then the smaller predicted peak,
-    first). Same arguments and errors as :func:`optimize`."""
+    each ``k`` offloaded, ``o`` selective_offload, ``c`` checkpointed, checkpoint kind
+    and selective kind, the fewest selective layers that fit), as ``(predicted
+    seconds, levers)``, fastest first (equal times: fewer link bytes, then the smaller
+    predicted peak, first). Same arguments and errors as :func:`optimize`."""
     allowed = set(check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     kinds = [x for x in ("checkpoint", "checkpoint_offload") if x in allowed] or ["checkpoint"]
+    sels = [x for x in ("selective", "selective_offload_inputs") if x in allowed] or ["keep"]
     found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
-    families: dict[tuple[int, int, int, str], float] = {}  # (k, o, c, kind) -> seconds
+    # (k, o, c, checkpoint kind, selective kind) -> seconds of the family's plan
+    families: dict[tuple[int, int, int, str, str], float] = {}
+    seen: set[tuple[str, ...]] = set()
 
-    def family(k: int, o: int, c: int, ckpt: str) -> None:
+    def family(k: int, o: int, c: int, ckpt: str, sel: str) -> None:
         """The fastest plan of the family (fewest selective layers that fit), if any."""
         nonlocal smallest
-        if (k, o, c, ckpt) in families:
+        if (k, o, c, ckpt, sel) in families:
             return
-        top = L - k - o - c if "selective" in allowed else 0
+        top = L - k - o - c if sel != "keep" else 0
         # memory does not grow as layers go from kept to selective: take the first count
         # that fits (binary search), the cheapest of this family
-        most = _family(L, k, o, c, top, ckpt)
+        most = _family(L, k, o, c, top, ckpt, sel)
         mem = costs.memory(most)
         if mem > budget_bytes:
-            families[(k, o, c, ckpt)] = float("inf")
+            families[(k, o, c, ckpt, sel)] = float("inf")
             if smallest is None or mem < smallest[0]:
                 smallest = (mem, most)
             return
         lo, hi = 0, top
         while lo < hi:
             mid = (lo + hi) // 2
-            if costs.memory(_family(L, k, o, c, mid, ckpt)) <= budget_bytes:
+            if costs.memory(_family(L, k, o, c, mid, ckpt, sel)) <= budget_bytes:
                 hi = mid
             else:
                 lo = mid + 1
-        candidate = _family(L, k, o, c, lo, ckpt)
+        candidate = _family(L, k, o, c, lo, ckpt, sel)
         seconds = costs.seconds(candidate)
-        families[(k, o, c, ckpt)] = seconds
-        found.append((seconds, candidate))
+        families[(k, o, c, ckpt, sel)] = seconds
+        if tuple(candidate) not in seen:  # no selective layer: the same for both kinds
+            seen.add(tuple(candidate))
+            found.append((seconds, candidate))
 
     def counts(n: int, step: int, around: int | None = None) -> list[int]:
         """0..n-1 every ``step`` (the last one too), or every value within ``step`` of
@@ -187,19 +198,18 @@ def candidates(
             return list(range(max(0, around - step), min(n, around + step + 1)))
         return sorted({*range(0, n, step), n - 1})
 
-    def search(step: int, near: tuple[int, int, int, str] | None = None) -> None:
+    def search(step: int, near: tuple[int, int, int, str, str] | None = None) -> None:
         nk, no, nc = (near[0], near[1], near[2]) if near is not None else (None, None, None)
+        # offload and selective_offload never take the last layer (NOT_LAST): k + o < L
         for k in counts(L, step, nk) if "offload" in allowed else [0]:
             for o in counts(L - k, step, no) if "selective_offload" in allowed else [0]:
                 for ckpt in kinds if near is None else [near[3]]:
-                    if ckpt not in allowed:
-                        cs: Sequence[int] = [0]
-                    else:  # an offloaded kind never takes the last layer
-                        cs = counts(L - k - o + (ckpt not in OFFLOADED), step, nc)
+                    cs = counts(L - k - o + 1, step, nc) if ckpt in allowed else [0]
                     for c in cs:
                         if c == 0 and ckpt != kinds[0]:
                             continue  # the same plans as with the first kind
-                        family(k, o, c, ckpt)
+                        for sel in sels if near is None else [near[4]]:
+                            family(k, o, c, ckpt, sel)
 
     # Every family up to FULL_SEARCH layers; beyond, the counts on a stride first (about
     # FULL_SEARCH values each), then every count near the fastest families found.
@@ -209,7 +219,6 @@ def candidates(
         best = sorted((t, f) for f, t in families.items() if t != float("inf"))
         for _, f in best[:REFINED]:
             search(stride, f)
-    seen = {tuple(levers) for _, levers in found}
     for _, single in single_levers(costs, sorted(allowed)):
         mem = costs.memory(single)
         if mem <= budget_bytes and tuple(single) not in seen:
@@ -229,13 +238,26 @@ def candidates(
     # then improve the best few one layer at a time (plans outside the family: an
     # input-offloaded checkpoint before a selective_offload layer, a plain checkpoint
     # between offloaded ones); improved plans that are new join the list
-    for _, levers in found[:POLISHED]:
+    for levers in _distinct(found, POLISHED):
         better = _polish(costs, budget_bytes, levers, sorted(allowed), key)
         if tuple(better) not in seen:
             seen.add(tuple(better))
             found.append((costs.seconds(better), better))
     found.sort(key=key)
     return found
+
+
+def _distinct(found: list[tuple[float, list[str]]], n: int) -> list[list[str]]:
+    """The first ``n`` plans of ``found`` that differ from each other in more than two
+    layers: a plan within two layers of a better-ranked one is a move or two of the hill
+    climbing from it, and would take a start from a plan of another shape."""
+    starts: list[list[str]] = []
+    for _, levers in found:
+        if len(starts) == n:
+            break
+        if all(sum(a != b for a, b in zip(levers, s)) > 2 for s in starts):
+            starts.append(levers)
+    return starts
 
 
 def _ranking(costs: PlanCosts) -> Callable[[tuple[float, list[str]]], tuple[float, ...]]:
@@ -258,7 +280,8 @@ def _polish(
 ) -> list[str]:
     """Hill climbing from ``levers``: change the lever of one layer (or of two adjacent
     layers, swapping them) while that ranks the plan better (:func:`_ranking`) within
-    ``budget_bytes``; stops at a plan no such move improves. O(L * levers) plans a move."""
+    ``budget_bytes``; stops at a plan no such move improves (the last layer never takes
+    a lever of :data:`~offload._planner.levers.NOT_LAST`). O(L * levers) plans a move."""
     L = len(levers)
     current = list(levers)
     best = key((costs.seconds(current), current))
@@ -268,10 +291,10 @@ def _polish(
         moves: list[list[str]] = []
         for i in range(L):
             for lever in allowed:
-                if lever != current[i] and not (i == L - 1 and lever in OFFLOADED):
+                if lever != current[i] and not (i == L - 1 and lever in NOT_LAST):
                     moves.append(current[:i] + [lever] + current[i + 1 :])
-        for i in range(L - 2):  # the last layer keeps its place (never offloaded)
-            if current[i] != current[i + 1]:
+        for i in range(L - 1):
+            if current[i] != current[i + 1] and not (i == L - 2 and current[i] in NOT_LAST):
                 moves.append(current[:i] + [current[i + 1], current[i]] + current[i + 2 :])
         for move in moves:
             if costs.memory(move) > budget_bytes:
