@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["eager"]
+__all__ = ["eager", "eager_function"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,3 +40,19 @@ def eager(fn: F) -> F:
     2.13 (checked on 2.13 CPU; the GPU machine's 2.11 runs tests/test_real_world_cuda.py).
     """
     return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+
+
+#: function -> eager(function), made once per function (eager_function)
+_EAGER: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def eager_function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``eager(method.__func__)``, made once per function and shared: call it with
+    ``method.__self__`` first. Hooks registered at every forward (the offloader's layer
+    hooks) take theirs from here: a ``torch.compiler.disable`` wrapper made per hook and
+    registration costs more host time than the forward's hooks themselves."""
+    func = method.__func__  # type: ignore[attr-defined]
+    traced = _EAGER.get(func)
+    if traced is None:
+        traced = _EAGER[func] = eager(func)
+    return traced
