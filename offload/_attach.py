@@ -72,11 +72,11 @@ class LayerHooks:
         they are registered already."""
         if self._handles:
             return
+        # one hook object of each kind for every module: it holds nothing per module
+        before, after = _ModuleHook(start, arity=3), _ModuleHook(end, arity=4)
         for module in self._modules:
-            self._handles.append(
-                module.register_forward_pre_hook(_ModuleHook(start, arity=3), with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(_ModuleHook(end, arity=4), with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(after, with_kwargs=True))
 
     def release(self) -> None:
         """A forward ended: remove the hooks unless an attachment holds them."""
@@ -215,14 +215,20 @@ class AttachHandle:
         return f"AttachHandle({name}, {state})"
 
 
+#: torch.compiler.is_compiling, read twice per layer call (dynamo knows the function
+#: itself, whatever name calls it: True while it traces)
+_is_compiling = torch.compiler.is_compiling
+
+
 class _ModuleHook:
     """One hook the offloader puts on a module (an attachment's, or a layer's). A copy
     of the module (``copy.deepcopy``: reference or EMA models; pickling) gets an inert
     hook instead of a copy of the offloader."""
 
-    __slots__ = ("arity", "fn", "traced", "bound")
+    __slots__ = ("arity", "fn", "traced")
 
     def __init__(self, fn: Callable[..., None] | None, arity: int = 0) -> None:
+        #: a bound method (of the offloader or of an attachment), or None (inert)
         self.fn = fn
         #: the number of arguments torch passes this hook as registered (0: any). Torch
         #: registers a hook and marks it ``with_kwargs`` in two steps, and removes it in
@@ -231,15 +237,17 @@ class _ModuleHook:
         #: its own thread), so such a call has nothing to do.
         self.arity = arity
         #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
-        #: the module's hooks with its forward): ``fn``, run eagerly, outside the graph
-        self.traced, self.bound = (None, ()) if fn is None else _dynamo.eager_method(fn)
+        #: the module's hooks with its forward), with ``fn.__self__`` first: ``fn``'s
+        #: function, run eagerly, outside the graph (one wrapper per function, shared)
+        self.traced = None if fn is None else _dynamo.eager_function(fn)
 
     def __call__(self, *args: Any) -> None:
-        if self.fn is not None and (not self.arity or len(args) == self.arity):
-            if torch.compiler.is_compiling():
-                self.traced(*self.bound, *args)  # type: ignore[misc]
+        fn = self.fn
+        if fn is not None and (not self.arity or len(args) == self.arity):
+            if _is_compiling():
+                self.traced(fn.__self__, *args)  # type: ignore[misc, attr-defined]
             else:
-                self.fn(*args)  # without the eager wrapper's cost (about a microsecond)
+                fn(*args)  # without the eager wrapper's cost (about a microsecond)
 
     def __deepcopy__(self, memo: Any) -> _ModuleHook:
         return _ModuleHook(None)

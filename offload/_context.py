@@ -8,13 +8,20 @@ import threading
 
 __all__ = ["active", "claim", "owner", "release"]
 
+
+class _Active(threading.local):
+    #: the context entered on this thread (a class default: a missing attribute of a
+    #: threading.local costs an exception on every lookup)
+    owner: object | None = None
+
+
 #: ``owner``: the context entered on this thread (hot paths read it without a call)
-active = threading.local()
+active = _Active()
 
 
 def owner() -> object | None:
     """The offload context entered on this thread, or ``None``."""
-    return getattr(active, "owner", None)
+    return active.owner
 
 
 def claim(context: object, what: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["eager", "eager_method"]
+__all__ = ["eager", "eager_function"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,19 +42,17 @@ def eager(fn: F) -> F:
     return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
 
 
-#: method function -> its eager wrapper (methods of a few classes: bounded)
-_EAGER_METHODS: dict[Any, Callable[..., Any]] = {}
+#: function -> eager(function), made once per function (eager_function)
+_EAGER: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def eager_method(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """:func:`eager` of a bound method's function, made once per function, and the
-    leading arguments to call it with (``(fn.__self__,)``): hooks are registered at
-    every ``with offloader:`` and wrapping costs far more than a call (about 150 us on
-    a CPU host). Other callables are wrapped each time (no leading arguments)."""
-    func, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
-    if func is None or owner is None:
-        return eager(fn), ()
-    wrapped = _EAGER_METHODS.get(func)
-    if wrapped is None:
-        wrapped = _EAGER_METHODS[func] = eager(func)
-    return wrapped, (owner,)
+def eager_function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``eager(method.__func__)``, made once per function and shared: call it with
+    ``method.__self__`` first. Hooks registered at every forward (the offloader's layer
+    hooks) take theirs from here: a ``torch.compiler.disable`` wrapper made per hook and
+    registration costs more host time than the forward's hooks themselves."""
+    func = method.__func__  # type: ignore[attr-defined]
+    traced = _EAGER.get(func)
+    if traced is None:
+        traced = _EAGER[func] = eager(func)
+    return traced

@@ -29,7 +29,7 @@ from offload.profiling import LayerStats
 if TYPE_CHECKING:
     from offload._saves import _Bucket
 
-__all__ = ["Group", "GroupLife", "GroupState"]
+__all__ = ["CLOSED", "OPEN", "RELEASED", "Group", "GroupLife", "GroupState"]
 
 _nbytes = _placement.kept_bytes
 
@@ -45,6 +45,11 @@ class GroupState(enum.IntEnum):
     OPEN = 0
     CLOSED = 1
     RELEASED = 2
+
+
+# The members as module constants: the transitions read them at every layer call, and
+# reading a member off an enum class goes through its metaclass (a few plain lookups).
+OPEN, CLOSED, RELEASED = GroupState.OPEN, GroupState.CLOSED, GroupState.RELEASED
 
 
 class Group:
@@ -82,7 +87,7 @@ class Group:
         #: whose members' tensors the bucket holds
         self.device_refs: list[tuple[torch.Tensor | None, int, HostCopy]] = []
         self.d2h_done: Any = None
-        self.state = GroupState.OPEN
+        self.state = OPEN
         self.reloaded = False
         self.dropped = False  # its backward ended at least once
         self.live = 0  # live handles pointing at copies
@@ -103,11 +108,11 @@ class Group:
 
     @property
     def closed(self) -> bool:
-        return self.state >= GroupState.CLOSED
+        return self.state >= CLOSED
 
     @property
     def released(self) -> bool:
-        return self.state is GroupState.RELEASED
+        return self.state is RELEASED
 
 
 class GroupLife:
@@ -141,9 +146,9 @@ class GroupLife:
 
     def _release(self, group: Group) -> None:
         """Drop a group's device references once its copies are done (lock held)."""
-        if group.state is GroupState.RELEASED:
+        if group.state is RELEASED:
             return
-        group.state = GroupState.RELEASED
+        group.state = RELEASED
         if not group.device_refs:
             return
         self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
@@ -363,8 +368,21 @@ class GroupLife:
     # ---- handle death ----------------------------------------------------------------
 
     def handle_died(self, copy: HostCopy, group: Group | None) -> None:
-        """Called from ``Offloaded.__del__``, on any thread (Note [release order], 7)."""
-        self.rt.later(self._retire, copy, group)
+        """Called from ``Offloaded.__del__``, on any thread (Note [release order], 7).
+
+        ``self.rt.later(self._retire, copy, group)``, inlined: this runs for every
+        offloaded tensor, and the lock is free but for a death inside the step's own
+        work (or on another thread)."""
+        rt = self.rt
+        if rt.lock.acquire(blocking=False):
+            try:
+                if rt.graveyard:
+                    rt.drain()
+                self._retire(copy, group)
+            finally:
+                rt.lock.release()
+        else:
+            rt.graveyard.append((self._retire, copy, group))
 
     def _retire(self, copy: HostCopy, group: Group | None) -> None:
         copy.refs -= 1

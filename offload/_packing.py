@@ -30,6 +30,7 @@ __all__ = [
     "as_bytes",
     "is_parameter_derived",
     "derives_from_parameter",
+    "CHAIN_NODES",
     "is_plain",
     "flatten",
     "unflatten",
@@ -62,6 +63,10 @@ _PASS_THROUGH_NODES = frozenset(
     }
 )
 _MAX_CHAIN = 8
+#: the nodes a chain to a parameter goes through: a saved tensor whose ``grad_fn`` is
+#: none of them (a compute node, the usual case) is not a parameter's data, which
+#: ``Step._place`` tells without calling :func:`derives_from_parameter`
+CHAIN_NODES = _PASS_THROUGH_NODES | {"AccumulateGrad"}
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 

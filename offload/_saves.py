@@ -66,6 +66,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}  # _dtype_name, cached (Step._count_se
 
 
 _tensors_in = _packing.tensors_requiring_grad
+_CHAIN_NODES = _packing.CHAIN_NODES
+_derives = _packing.derives_from_parameter
 
 
 def _base_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -234,10 +236,10 @@ class Saves:
         storage = t.untyped_storage()
         # _placement.parameter_like, inlined (_pack kept the Parameters already)
         storages, frozen = state.storages, state.frozen_shapes
-        fn = t.grad_fn
+        fn = t.grad_fn  # a compute node (the usual case) is no view or cast of a parameter
         if (
             storage.data_ptr() in storages
-            or (fn is not None and _packing.derives_from_parameter(fn, storages))
+            or (fn is not None and type(fn).__name__ in _CHAIN_NODES and _derives(fn, storages))
             or (fn is None and frozen and not t.requires_grad and tuple(t.shape) in frozen)
         ):
             return self._keep("parameter", group, t)

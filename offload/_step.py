@@ -86,7 +86,7 @@ import torch
 from offload import _packing, _timing
 from offload._buffers import ReloadBuffers
 from offload._device import Backend
-from offload._group import Group, GroupLife, GroupState
+from offload._group import CLOSED, OPEN, RELEASED, Group, GroupLife
 from offload._handles import (
     Pending,
 )
@@ -255,7 +255,7 @@ class Step(Saves, GroupLife):
             if group is None:
                 return
             self.open = None
-            group.state = GroupState.CLOSED
+            group.state = CLOSED
             self._flush_d2h(group)
             if group.device_refs and self.backend is not None:
                 group.d2h_done = self.backend.record_d2h()
@@ -297,8 +297,8 @@ class Step(Saves, GroupLife):
                 self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
             for group in self.groups:
-                if group.offload and not group.released and self.trigger.releases_at_end:
-                    if not group.closed and group.device_refs and self.backend is not None:
+                if group.offload and group.state is not RELEASED and self.trigger.releases_at_end:
+                    if group.state is OPEN and group.device_refs and self.backend is not None:
                         group.d2h_done = self.backend.record_d2h()
                     self._release(group)
             self.awaiting = sum(1 for g in self.groups if g.copies)
@@ -327,7 +327,7 @@ class Step(Saves, GroupLife):
                         self.backend.wait(group.stream, done)
             for group in self.groups:
                 group.device_refs.clear()
-                group.state = GroupState.RELEASED
+                group.state = RELEASED
             for copies in [*self.storages.values(), self.all_buckets]:
                 for copy in copies:
                     if type(copy) is tuple:

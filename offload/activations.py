@@ -309,7 +309,7 @@ class ActivationOffloader:
 
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
-        if step is None or getattr(_ACTIVE, "owner", None) is not self:
+        if step is None or _ACTIVE.owner is not self:
             # outside a forward, or a call made on another thread (a second offloader
             # over the same modules, data-parallel replicas): not ours
             return
@@ -345,14 +345,15 @@ class ActivationOffloader:
 
     def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         step = self._step
-        if step is not None and getattr(_ACTIVE, "owner", None) is self:
+        if step is not None and _ACTIVE.owner is self:
             group = step.open if step.depth == 0 else None
             if self._aside and step.depth == 0:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
-            if group is not None and group.offload and "saved_elsewhere" not in self._warned:
-                self._check_saved_elsewhere(step, group, module, output)
+            if group is not None and group.offload and not group.stats.bytes_offloaded:
+                if "saved_elsewhere" not in self._warned:
+                    self._check_saved_elsewhere(step, group, module, output)
 
     def _check_saved_elsewhere(self, step: Step, group: Any, module: Any, output: Any) -> None:
         """Warn once when an offloaded layer saved nothing through our hooks: whose were

@@ -203,16 +203,22 @@ def pack_unpack_direct(
 
     The only code of the benchmarks that uses the scheduler's internals
     (``Runtime``, ``Step``, ``make_plan``, ``unpack_hook``): adapt
-    it here when they change. One run: ``tensors`` fresh tensors packed in ``groups``
+    it here when they change. Also runs against the package before its scheduler was
+    split into modules (``offload/_scheduler.py``), for old-vs-new comparisons
+    (``bench_versions.py``). One run: ``tensors`` fresh tensors packed in ``groups``
     groups (``open_group`` / ``pack`` ... / ``close_group``), ``finish_forward()``, every
     handle unpacked in reverse order, then every handle dropped. Returns the per-phase
     host seconds of every run and the medians in us per tensor.
     """
     from offload._handles import unpack_hook
     from offload._plan import make_plan
-    from offload._runtime import Runtime
-    from offload._step import Step
     from offload.config import OffloadConfig
+
+    try:
+        from offload._runtime import Runtime
+        from offload._step import Step
+    except ImportError:  # the package before its scheduler was split into modules
+        from offload._scheduler import Runtime, Step  # type: ignore[no-redef]
 
     runtime = Runtime(OffloadConfig(min_tensor_bytes=0))
     per_group = tensors // groups
@@ -359,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "command": [sys.executable, *sys.argv],
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "environment": environment(torch.device(args.devices[-1])),
+        "offload_file": offload.__file__,  # the package measured (bench_versions.py)
         "devices": {},
     }
     for name in args.devices:
