@@ -100,13 +100,15 @@ class Run(enum.Enum):
 class Memory:
     """The memory side of one decision, in bytes: the limit less the margin,
     the predicted peak with ``"all"`` and with the choice, whether a step without
-    offloading fits, and the fewest layers memory needs."""
+    offloading fits, the fewest layers memory needs, and the predicted peak of a step
+    without offloading."""
 
     limit: float
     peak_all: float
     peak: float
     none_fits: bool
     floor: int
+    none_peak: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -63,6 +63,7 @@ from offload._plan import plan_forward
 __all__ = [
     "MAX_DECISIONS",
     "MAX_FAMILIES",
+    "CALIBRATE_ROOM",
     "MAX_PENDING",
     "MEMORY_MARGIN",
     "MIN_PAIRS",
@@ -89,6 +90,9 @@ MAX_FAMILIES = 8
 MAX_DECISIONS = 16
 #: Steps whose times have not been read yet; older ones are dropped unread.
 MAX_PENDING = 8
+#: The step after the first runs without offloading (to scale the first step's costs)
+#: only when its predicted peak is within this share of the memory limit.
+CALIBRATE_ROOM = 0.8
 
 _NO_ACCELERATOR = {
     "reason": "no accelerator: there is no overlap to measure and no device memory to "
@@ -263,10 +267,6 @@ class AutoPolicy:
                 "state": self.state_size(),
             }
             return
-        if self._cold and device.type == "cuda":
-            # the link probe (pinned memory, copies: a few hundred ms once) runs in the
-            # offloader's first step, which warms up anyway, not in the first decided one
-            meter.link(device)
         record = StepRecord(
             family=fam,
             tokens=tokens,
@@ -363,7 +363,8 @@ class AutoPolicy:
             limit = memory.limit * (1.0 - MEMORY_MARGIN) - fam.memory_excess
             peak_all = memory.allocated + est.act_bytes
             floor = _auto.memory_floor(est.freed, peak_all, limit)
-            mem = Memory(limit, peak_all, peak_all, peak_all + sized.kept[0] <= limit, floor)
+            none_peak = peak_all + sized.kept[0]
+            mem = Memory(limit, peak_all, peak_all, none_peak <= limit, floor, none_peak)
         floor = mem.floor if mem is not None else 0
         stamp = (fam.generation, fam.scale, fam.backoff, floor)
         if sized.stamp != stamp or sized.decision is None:
@@ -399,7 +400,9 @@ class AutoPolicy:
         if not decision.offloaded:
             return Run.NONE  # nothing offloaded: a step without offloading
         if fam.calibrate:
-            if decision.memory_reason is None and (mem is None or mem.none_fits):
+            # only far from the memory limit: the cold step's memory is the least sure
+            roomy = mem is None or (mem.floor == 0 and mem.none_peak <= CALIBRATE_ROOM * mem.limit)
+            if decision.memory_reason is None and roomy:
                 return Run.NONE  # scales the cold measurement (``_measured``)
             fam.calibrate = False
         if fam.phase is not Phase.VERIFY:

@@ -132,7 +132,10 @@ def trainer_is_bitwise_equal(use_cpu: bool) -> None:
     model = transformers.LlamaForCausalLM(config)
     ref = copy.deepcopy(model)
     start = [p.detach().clone() for p in model.parameters()]
-    offloader = offload.ActivationOffloader(offload.find_layers(model), min_tensor_bytes=0)
+    # "all": on a GPU "auto" may verify its choice with a step without offloading
+    offloader = offload.ActivationOffloader(
+        offload.find_layers(model), offload_layers="all", min_tensor_bytes=0
+    )
     handle = offloader.attach(model)
 
     def train(m: nn.Module) -> list[dict[str, Any]]:
