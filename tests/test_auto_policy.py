@@ -112,6 +112,32 @@ def test_no_step_without_offloading_when_memory_cannot_hold_one() -> None:
     assert max(p for _, _, p in memory.peaks) <= memory.limit
 
 
+@pytest.mark.parametrize("room", [0.9, 1.1, 4.0])
+def test_the_step_after_the_first_runs_without_offloading_only_far_from_the_limit(
+    room: float,
+) -> None:
+    # the first step's memory reading is the least sure: the calibrating step without
+    # offloading runs only when its predicted peak is well inside the limit
+    L = 4
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    base, act = 1 << 20, max(freed)
+    none_peak = base + act + sum(freed[: L - 1])
+    limit = int(room * none_peak / (1 - _auto_policy.MEMORY_MARGIN))
+    memory = FakeMemory(limit, base, lambda n: act, lambda n: freed)
+    costs = [LayerCost(2e-3, 4e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 1e-3, memory=memory, cold_factor=3.0)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(3)]
+    assert runs[0]["step"] == "probe"
+    if room < 1 / _auto_policy.CALIBRATE_ROOM:
+        assert runs[1]["step"] != "none" and runs[1]["sent"] > 0, runs[1]
+    else:
+        assert runs[1]["step"] == "none" and runs[1]["sent"] == 0, runs[1]
+        assert runs[2]["step"] == "probe"  # measured again, warm, at the choice
+    assert max(p for _, _, p in memory.peaks) <= limit
+
+
 # ---- sizes carried across lengths -----------------------------------------------------
 
 
