@@ -23,9 +23,9 @@ The scale: a timed step whose measured/predicted ratio the prediction can explai
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
 or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
 (the lower quartile of the ratios, kept per kind of step; steps without offloading
-first, as they hold no stall), which multiplies every predicted compute time. A step at another size whose
-ratio is further off means the prediction was wrong there: the next step measures
-again. When the measured sizes change, the scale is taken again from the steps without
+first, as they hold no stall), which multiplies every predicted compute time. A step
+at another size whose ratio is further off means the prediction was wrong there: the
+next step measures again. When the measured sizes change, the scale is taken again from the steps without
 offloading kept (:meth:`Family.rescale`).
 """
 
@@ -108,7 +108,7 @@ class Memory:
     peak: float
     none_fits: bool
     floor: int
-    none_peak: float = 0.0
+    none_peak: float
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

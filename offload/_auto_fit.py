@@ -217,8 +217,9 @@ def point_values(
     return out
 
 
-def steady(times: Sequence[float], sizes: Sequence[float]) -> list[float]:
-    """Per-call ``times`` with one-time costs removed.
+def steady(times: Sequence[Sequence[float]], sizes: Sequence[float]) -> list[list[float]]:
+    """Per-call times (each of ``times`` one list, a value per call) with one-time
+    costs removed.
 
     Calls that save about the same bytes (``sizes``, within :data:`ALIKE`) are taken as
     identical layers, which cost the same in a steady step. What happens once in a step
@@ -234,14 +235,16 @@ def steady(times: Sequence[float], sizes: Sequence[float]) -> list[float]:
             groups[-1].append(i)
         else:
             groups.append([i])
-    out = [float(t) for t in times]
-    for members in groups:
-        if len(members) < 3:
-            continue
-        mid = sorted(out[i] for i in members)[len(members) // 2]
-        for i in members:
-            if out[i] > ONE_TIME * mid:
-                out[i] = mid
+    alike = [members for members in groups if len(members) >= 3]
+    out = []
+    for row in times:
+        values = [float(t) for t in row]
+        for members in alike:
+            mid = sorted(values[i] for i in members)[len(members) // 2]
+            for i in members:
+                if values[i] > ONE_TIME * mid:
+                    values[i] = mid
+        out.append(values)
     return out
 
 

@@ -61,9 +61,9 @@ from offload._auto_probe import DeviceMemory, Meter, Probe, StepWatch, meter_for
 from offload._plan import plan_forward
 
 __all__ = [
+    "CALIBRATE_ROOM",
     "MAX_DECISIONS",
     "MAX_FAMILIES",
-    "CALIBRATE_ROOM",
     "MAX_PENDING",
     "MEMORY_MARGIN",
     "MIN_PAIRS",
@@ -477,15 +477,17 @@ class AutoPolicy:
                 peak = None
             if peak is not None:
                 act = max(0.0, peak - start.allocated - kept)
-        keys = m.link_bytes
+        fwd, bwd, host_fwd, host_bwd = steady(
+            (m.forward_s, m.backward_s, m.host_forward_s, m.host_backward_s), m.link_bytes
+        )
         point = Point(
             record.tokens,
             record.quad,
             point_values(
-                steady(m.forward_s, keys),
-                steady(m.backward_s, keys),
-                steady(m.host_forward_s, keys),
-                steady(m.host_backward_s, keys),
+                fwd,
+                bwd,
+                host_fwd,
+                host_bwd,
                 m.link_bytes,
                 m.freed_bytes,
                 m.gap_s,

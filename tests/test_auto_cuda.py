@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import offload
+from benchmarks._common import llama_1b_config
 from offload import _auto_policy
 from tests.auto_fake import state_bounds
 from tests.models import ON_CUDA_DETERMINISTIC
@@ -34,16 +35,8 @@ DEV = torch.device("cuda", 0)  # an index: set_per_process_memory_fraction needs
 
 def _llama(max_len: int):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=max_len,
-        use_cache=False,
-    )
+    config = llama_1b_config(max_len)
+    config.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model = model.to(DEV, torch.bfloat16)
