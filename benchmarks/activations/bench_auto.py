@@ -266,8 +266,13 @@ def _fmt(x: float | None, digits: int) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def _write(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], device: Any,
-           cuda: bool, started: float) -> dict[str, Any]:
+def _write(
+    args: argparse.Namespace,
+    results: dict[str, list[dict[str, Any]]],
+    device: Any,
+    cuda: bool,
+    started: float,
+) -> dict[str, Any]:
     """The JSON so far (written after every run: a run cut short keeps what it measured)."""
     summary = {
         name: {

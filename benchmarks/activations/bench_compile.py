@@ -58,9 +58,8 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from benchmarks import _common  # noqa: E402
-
 import offload  # noqa: E402
+from benchmarks import _common  # noqa: E402
 from tests import models  # noqa: E402
 
 FORMS = {
