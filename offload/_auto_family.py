@@ -192,6 +192,21 @@ class Family:
         self.note = ""
         self.sizes: collections.OrderedDict[tuple[int, int], Sized] = collections.OrderedDict()
 
+    def learn_memory(self, start: DeviceMemory, end: DeviceMemory, predicted: float) -> None:
+        """What a step needed beyond its predicted peak (a measuring step: its own
+        allocated peak), kept for the decisions after it: the allocated peak's excess,
+        and the reserved peak's (the per-process cap limits reserved memory, so the
+        unused parts of the allocator's segments at the peak count against it). Each
+        only when the step set a new peak of its kind."""
+        if end.peak > start.peak:
+            self.memory_excess = max(self.memory_excess, end.peak - predicted)
+        if (
+            end.reserved_peak is not None
+            and start.reserved_peak is not None
+            and end.reserved_peak > start.reserved_peak
+        ):
+            self.memory_excess = max(self.memory_excess, end.reserved_peak - predicted)
+
     def new_generation(self, note: str = "") -> None:
         """The choice changed (back-off, scale): its samples start again, and a settled
         choice is verified again (the steps without offloading are kept)."""
@@ -325,13 +340,8 @@ class Family:
         if run is Run.NONE:
             self.none_in_flight = max(0, self.none_in_flight - 1)
         start = record.start_memory
-        if (
-            start is not None
-            and end is not None
-            and end.peak > start.peak
-            and record.predicted_peak is not None
-        ):
-            self.memory_excess = max(self.memory_excess, end.peak - record.predicted_peak)
+        if start is not None and end is not None and record.predicted_peak is not None:
+            self.learn_memory(start, end, record.predicted_peak)
         if self.model is None or not record.predicted_s or record.warmup:
             return
         rho = seconds / record.predicted_s

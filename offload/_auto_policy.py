@@ -477,6 +477,8 @@ class AutoPolicy:
                 peak = None
             if peak is not None:
                 act = max(0.0, peak - start.allocated - kept)
+                if end is not None:  # what the allocator reserved beyond this peak
+                    fam.learn_memory(start, end, peak)
         fwd, bwd, host_fwd, host_bwd = steady(
             (m.forward_s, m.backward_s, m.host_forward_s, m.host_backward_s), m.link_bytes
         )
@@ -528,6 +530,8 @@ class AutoPolicy:
             "exact": est.exact,
             "scale": fam.scale,
             "measured_ratio": fam.measured_ratio,
+            # the costs come from the offloader's first (cold) step alone
+            "cold": fam.model is not None and all(p.cold for p in fam.model.points),
             "verification": fam.note,
             "memory": None if mem is None else mem.to_dict(),
             "state": self.state_size(),

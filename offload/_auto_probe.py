@@ -39,12 +39,15 @@ _tensors_in = _packing.tensors_requiring_grad
 class DeviceMemory:
     """Device memory as the allocator sees it, in bytes: ``limit`` (what this
     process's tensors may occupy in all: the per-process fraction's cap or what is
-    reserved plus what is free, the smaller), ``allocated`` now and ``peak`` (the
-    allocator's peak since its last reset)."""
+    reserved plus what is free, the smaller), ``allocated`` now, ``peak`` (the
+    allocator's peak since its last reset) and ``reserved_peak`` (the peak of what it
+    reserved, tensors and the unused parts of its segments; ``None``: not known). The
+    cap limits what is reserved, not what is allocated."""
 
     limit: int
     allocated: int
     peak: int
+    reserved_peak: int | None = None
 
 
 class Meter:
@@ -126,6 +129,7 @@ class CudaMeter(Meter):
             allocated = stats["allocated_bytes"]["all"]
             current, peak = allocated["current"], allocated["peak"]
             reserved = stats["reserved_bytes"]["all"]["current"]
+            reserved_peak = stats["reserved_bytes"]["all"]["peak"]
         except KeyError:  # an allocator backend without these statistics: no gauge
             return None
         free, total = torch.cuda.mem_get_info(device)
@@ -134,7 +138,7 @@ class CudaMeter(Meter):
         except (AttributeError, RuntimeError):  # older PyTorch: no getter
             fraction = 1.0
         limit = min(int(total * fraction), reserved + free)
-        return DeviceMemory(limit, current, peak)
+        return DeviceMemory(limit, current, peak, reserved_peak)
 
     def allocated(self, device: torch.device | None) -> int | None:
         stats = torch.cuda.memory_stats_as_nested_dict(device)

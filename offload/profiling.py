@@ -111,7 +111,9 @@ class OffloadStats:
             ``"chosen"``, ``"predicted_ratio"``, ``"measured_ratio"`` (against steps
             without offloading), ``"memory_reason"`` (when memory forced more
             offloading than the link hides), ``"memory"`` (limit, predicted peaks, the
-            fewest layers memory needs), ``"scale"``, the ``"costs"`` and link GB/s);
+            fewest layers memory needs), ``"scale"``, the ``"costs"`` and link GB/s,
+            ``"cold"``: ``True`` while those costs come from the offloader's first
+            step alone, which is measured again warm);
             else ``None``.
     """
 

@@ -57,6 +57,10 @@ class FakeMemory:
     freed: Callable[[int], list[int]]
     peaks: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
     counter: float = 0.0  # the allocator's peak since its last reset
+    #: what the allocator reserves beyond the allocated peak at that peak (the unused
+    #: parts of its segments); the limit applies to the allocated peak plus this
+    slack: int = 0
+    reserved: float = 0.0  # the allocator's reserved peak since its last reset
 
     def peak(self, tokens: int, k: int) -> float:
         freed = self.freed(tokens)
@@ -106,7 +110,7 @@ class FakeMeter(Meter):
         self.records: list[Any] = []
         self._times: dict[tuple[str, int], float] = {}
         if memory is not None:
-            memory.counter = memory.base
+            memory.counter = memory.reserved = memory.base
 
     def begin(self, record: Any) -> None:
         self.records.append(record)
@@ -131,7 +135,7 @@ class FakeMeter(Meter):
         self._times = times
         self._tokens, self._k = n, k
         if self.fake_memory is not None:
-            self.fake_memory.counter = self.fake_memory.base
+            self.fake_memory.counter = self.fake_memory.reserved = self.fake_memory.base
 
     def mark(self, device: Any, what: str, index: int) -> tuple[Any, float]:
         mem = self.fake_memory
@@ -139,6 +143,7 @@ class FakeMeter(Meter):
             peak = mem.peak(self._tokens, self._k)
             mem.peaks.append((self._tokens, self._k, peak))
             mem.counter = max(mem.counter, peak)
+            mem.reserved = max(mem.reserved, peak + mem.slack)
         return self._times[(what, index)], 0.0
 
     def seconds(self, a: Any, b: Any) -> float | None:
@@ -148,7 +153,7 @@ class FakeMeter(Meter):
         mem = self.fake_memory
         if mem is None:
             return None
-        return DeviceMemory(mem.limit, mem.base, int(mem.counter))
+        return DeviceMemory(mem.limit, mem.base, int(mem.counter), int(mem.reserved))
 
     def allocated(self, device: Any) -> int | None:
         return None if self.fake_memory is None else self.fake_memory.base

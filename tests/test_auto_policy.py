@@ -112,6 +112,29 @@ def test_no_step_without_offloading_when_memory_cannot_hold_one() -> None:
     assert max(p for _, _, p in memory.peaks) <= memory.limit
 
 
+def test_memory_the_allocator_reserves_beyond_the_peak_counts_against_the_limit() -> None:
+    # the per-process cap limits reserved memory: unused parts of segments at the peak
+    # (fragmentation, ``slack``) are learnt from the first step and offloaded for
+    L = 6
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    f = max(freed)
+    base, act = f, 3 * f
+    slack = freed[2] + freed[3]
+    # allocated memory alone would need layers 0-1 offloaded; with the slack, 0-3
+    limit = int((base + act + sum(freed[2 : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN)) + 1
+    memory = FakeMemory(limit, base, lambda n: act, lambda n: freed, slack=slack)
+    costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 4e-3, memory=memory)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(8)]
+    assert runs[0]["step"] == "probe" and all(a["sent"] > 0 for a in runs)
+    assert _family(off).memory_excess >= slack
+    # every step, the first included, reserved no more than the limit
+    assert max(p for _, _, p in memory.peaks) + slack <= limit
+    assert all(len(a["ran"]) >= 4 for a in runs[1:]), runs
+
+
 @pytest.mark.parametrize("room", [0.9, 1.1, 4.0])
 def test_the_step_after_the_first_runs_without_offloading_only_far_from_the_limit(
     room: float,

@@ -904,3 +904,30 @@ def test_predictions_are_remembered_not_stored() -> None:
     again = PlanCosts.from_dict(json.loads(json.dumps(c.to_dict())))
     assert again == c and (again.memory(levers), again.seconds(levers)) == first
     assert "_memos" not in c.to_dict()
+
+
+def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
+    # the measuring offloader's first step is cold (pinned memory allocated, kernels
+    # chosen): the planner's layer costs are those "auto" measures again, warm
+    from offload import _auto_policy
+    from offload._auto import LayerCost
+    from offload._planner import fit
+    from tests.auto_fake import FakeMeter
+
+    L, dim = 4, 64
+    model = ReferenceModel(L, dim, 4, 2 * dim)
+    layers = list(model.layers)
+    true = [LayerCost(1e-3, 2e-3, 0)] * L
+    meter = FakeMeter(lambda n: true, 1e9, cold_factor=50.0)
+    monkeypatch.setattr(_auto_policy, "meter_for", lambda device: meter)
+    x = torch.randn(2, 16, dim)
+
+    def step() -> None:
+        model.loss(x).backward()
+
+    auto = fit._layer_costs(step, layers, model, 0)
+    assert auto["cold"] is False
+    assert [c["forward_s"] for c in auto["costs"]] == pytest.approx([1e-3] * L, rel=0.3)
+    assert [c["backward_s"] for c in auto["costs"]] == pytest.approx([2e-3] * L, rel=0.3)
+    assert any(r.cold for r in meter.records)  # the cold step was there, and left out
+    assert len(meter.records) <= fit.COST_STEPS

@@ -2,8 +2,9 @@
 measures and the :class:`~offload._planner.costs.PlanCosts` they give.
 
 Configurations, each ``warmup + steps`` steps on the same model and state: nothing; an
-offloader with ``offload_layers="auto"`` (its measuring forward gives each layer's
-forward and backward time and saved bytes, and the link bandwidth); every layer but the
+offloader with ``offload_layers="auto"`` (its warm measuring forward gives each layer's
+forward and backward time and saved bytes, and the link bandwidth; :data:`COST_STEPS`
+steps at most); every layer but the
 last offloaded; every layer selective; every layer checkpointed (levers not allowed are
 skipped); on CUDA, one more step without levers records the allocator's peak between
 every two layer boundaries, which gives the workspace of the layers' forwards and
@@ -27,7 +28,7 @@ from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
 from offload._timeline import Recorder
 
-__all__ = ["Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
+__all__ = ["COST_STEPS", "Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
 
 
 @dataclasses.dataclass
@@ -144,24 +145,36 @@ def moments_of(
     return max(0, max(forward + backward)), max(0, head)
 
 
+#: The most steps the measuring offloader of :func:`_layer_costs` runs. Its first step
+#: is the coldest of the process (pinned host memory allocated, kernels chosen), whose
+#: layer times can be many times the warm ones; ``"auto"`` measures again, warm, within
+#: its next two steps, and the step after that reports the warm costs.
+COST_STEPS = 6
+
+
 def _layer_costs(
     step_fn: Callable[[], Any],
     layers: list[torch.nn.Module],
     model: torch.nn.Module,
     min_tensor_bytes: int,
 ) -> dict[str, Any]:
-    """The measuring forward of ``offload_layers="auto"``: per-layer costs and the link
-    (uncompressed bytes)."""
-    _, stats = _with_offloader(
-        step_fn,
-        layers,
-        model,
-        offload_layers="auto",
-        min_tensor_bytes=min_tensor_bytes,
-        steps=1,
-        warmup=1,
-    )
-    auto = stats.auto or {}
+    """The measuring forward of ``offload_layers="auto"``, warm: per-layer costs and the
+    link (uncompressed bytes); steps run until ``stats.auto`` reports costs that are not
+    the first step's alone (at most :data:`COST_STEPS`)."""
+    from offload.activations import ActivationOffloader
+
+    off = ActivationOffloader(layers, offload_layers="auto", min_tensor_bytes=min_tensor_bytes)
+    handle = off.attach(model)
+    auto: dict[str, Any] = {}
+    try:
+        for _ in range(COST_STEPS):
+            step_fn()
+            auto = off.stats.auto or {}
+            if "costs" in auto and auto.get("cold") is False:
+                break
+    finally:
+        handle.remove()
+        off.close()
     if "costs" not in auto:
         raise RuntimeError(
             f"the measuring forward did not produce layer costs ({auto.get('reason')!r}); "

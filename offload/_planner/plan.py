@@ -499,8 +499,9 @@ def plan(
     ``step_fn()`` runs one forward and backward of the model (no optimizer step, no
     offload context: the planner installs what it measures). It runs ``warmup + steps``
     times in each of these configurations, on the same model and state: nothing; an
-    offloader with ``offload_layers="auto"`` (two forwards: its measuring forward gives
-    each layer's forward and backward time and saved bytes, and the link bandwidth);
+    offloader with ``offload_layers="auto"`` (up to six steps: its warm measuring forward,
+    after the first step of the process's coldest moments, gives each layer's forward
+    and backward time and saved bytes, and the link bandwidth);
     every layer but the last offloaded; every layer selective; every layer checkpointed
     (levers not allowed are skipped). Gradients accumulate across these steps.
 
