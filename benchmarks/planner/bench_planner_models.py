@@ -37,7 +37,7 @@ peak = most allocated during a step minus allocated before it. Then, per budget,
 lever, the plan and the best single lever that fits (fastest measured whose peak is
 within the budget) are measured in ``--ab-rounds`` rounds of alternating blocks (the
 order of each round reversed from the one before; a block: ``--warmup`` + ``--steps``
-steps). Ratios are medians of the pooled timed steps over no lever's. ``--runs`` repeats
+steps). Ratios are medians of the pooled timed steps over no lever's. ``--repeats`` repeats
 every case from a fresh model and a fresh measurement (``run`` in each case's JSON).
 
 Verdict per budget: ``fits`` (the plan's peak within the budget), ``target`` (plan x none
@@ -388,11 +388,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per block")
     parser.add_argument("--ab-rounds", type=int, default=3, help="rounds of alternating blocks")
-    parser.add_argument("--runs", type=int, default=1, help="runs of every case (fresh plans)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every case (fresh plans)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     args = parser.parse_args(argv)
-    if min(args.steps, args.warmup, args.ab_rounds, args.runs) < 1:
-        parser.error("--steps, --warmup, --ab-rounds and --runs must be >= 1")
+    if min(args.steps, args.warmup, args.ab_rounds, args.repeats) < 1:
+        parser.error("--steps, --warmup, --ab-rounds and --repeats must be >= 1")
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available here; use --device cpu --quick")
@@ -429,9 +429,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     target = Path(args.out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for run in range(args.runs):
+    for run in range(args.repeats):
         for case in args.selected:
-            print(f"{case.name}, run {run + 1} of {args.runs} ...", file=sys.stderr, flush=True)
+            print(f"{case.name}, run {run + 1} of {args.repeats} ...", file=sys.stderr, flush=True)
             result["cases"].append(run_case(case, args) | {"run": run + 1})
         # written after every case: a run cut short keeps what it measured
         result["wall_s"] = time.perf_counter() - started
