@@ -433,9 +433,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for case in args.selected:
             print(f"{case.name}, run {run + 1} of {args.repeats} ...", file=sys.stderr, flush=True)
             result["cases"].append(run_case(case, args) | {"run": run + 1})
-        # written after every case: a run cut short keeps what it measured
-        result["wall_s"] = time.perf_counter() - started
-        target.write_text(json.dumps(result, indent=1, default=str) + "\n")
+            # written after every case: a run cut short keeps what it measured
+            result["wall_s"] = time.perf_counter() - started
+            target.write_text(json.dumps(result, indent=1, default=str) + "\n")
     report(result)
     print(f"written to {target} ({result['wall_s']:.0f} s)", file=sys.stderr)
     return result

@@ -16,8 +16,9 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,22 +61,29 @@ class Measured:
     moments: tuple[int, int] | None = None
 
 
+@contextlib.contextmanager
+def _attached(layers: list[torch.nn.Module], model: torch.nn.Module, **kw: Any) -> Iterator[Any]:
+    """An ``ActivationOffloader(layers, **kw)`` attached to ``model``; detached and
+    closed (its host memory freed) on exit."""
+    from offload.activations import ActivationOffloader
+
+    off = ActivationOffloader(layers, **kw)
+    handle = off.attach(model)
+    try:
+        yield off
+    finally:
+        handle.remove()
+        off.close()
+
+
 def _with_offloader(
     step_fn: Callable[[], Any], layers: list[torch.nn.Module], model: torch.nn.Module, **kw: Any
 ) -> tuple[dict[str, Any], Any]:
     """Measure ``step_fn`` with an offloader over ``layers`` attached to ``model``;
     returns the measurement and the offloader's last stats."""
-    from offload.activations import ActivationOffloader
-
     steps, warmup = kw.pop("steps"), kw.pop("warmup")
-    off = ActivationOffloader(layers, **kw)
-    handle = off.attach(model)
-    try:
-        got = verify.measure_step(step_fn, steps, warmup)
-        return got, off.stats
-    finally:
-        handle.remove()
-        off.close()
+    with _attached(layers, model, **kw) as off:
+        return verify.measure_step(step_fn, steps, warmup), off.stats
 
 
 def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
@@ -161,20 +169,13 @@ def _layer_costs(
     """The measuring forward of ``offload_layers="auto"``, warm: per-layer costs and the
     link (uncompressed bytes); steps run until ``stats.auto`` reports costs that are not
     the first step's alone (at most :data:`COST_STEPS`)."""
-    from offload.activations import ActivationOffloader
-
-    off = ActivationOffloader(layers, offload_layers="auto", min_tensor_bytes=min_tensor_bytes)
-    handle = off.attach(model)
     auto: dict[str, Any] = {}
-    try:
+    with _attached(layers, model, offload_layers="auto", min_tensor_bytes=min_tensor_bytes) as off:
         for _ in range(COST_STEPS):
             step_fn()
             auto = off.stats.auto or {}
             if "costs" in auto and auto.get("cold") is False:
                 break
-    finally:
-        handle.remove()
-        off.close()
     if "costs" not in auto:
         raise RuntimeError(
             f"the measuring forward did not produce layer costs ({auto.get('reason')!r}); "
