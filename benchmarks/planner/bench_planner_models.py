@@ -37,7 +37,9 @@ peak = most allocated during a step minus allocated before it. Then, per budget,
 lever, the plan and the best single lever that fits (fastest measured whose peak is
 within the budget) are measured in ``--ab-rounds`` rounds of alternating blocks (the
 order of each round reversed from the one before; a block: ``--warmup`` + ``--steps``
-steps). Ratios are medians of the pooled timed steps over no lever's. ``--repeats`` repeats
+steps). Ratios are medians of the pooled timed steps over no lever's; ``host/device``:
+the plan's median host time per step over its median device time (near 1: the step is
+paced by the host, and its time follows the host's speed). ``--repeats`` repeats
 every case from a fresh model and a fresh measurement (``run`` in each case's JSON).
 
 Verdict per budget: ``fits`` (the plan's peak within the budget), ``target`` (plan x none
@@ -143,8 +145,22 @@ def hf_checkpointing(model: Any, offloaded: bool) -> Callable[[], None]:
 
 
 def block(step: Callable[[], None], args: argparse.Namespace) -> dict[str, Any]:
-    got = _measure.timed_steps(step, args.steps, args.warmup, device=args.device)
-    return {"times_ms": [t * 1e3 for t in got.seconds], "peak_bytes": got.activation}
+    """``--warmup`` + ``--steps`` steps; per timed step the device time (CUDA events) and
+    the host time (from the call to its return, the device synchronised before it): a
+    host time close to the device time means the step is paced by the host."""
+    host: list[float] = []
+
+    def timed() -> None:
+        start = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - start) * 1e3)
+
+    got = _measure.timed_steps(timed, args.steps, args.warmup, device=args.device)
+    return {
+        "times_ms": [t * 1e3 for t in got.seconds],
+        "host_ms": host[args.warmup :],
+        "peak_bytes": got.activation,
+    }
 
 
 def with_levers(levers: Sequence[str], layers: list[Any], model: Any, case: Case, args):
@@ -168,6 +184,7 @@ def alternating(configs: dict[str, Callable], step, args) -> dict[str, list[floa
     reverse order of the one before; the timed steps pooled per configuration."""
     names = list(configs)
     times: dict[str, list[float]] = {n: [] for n in names}
+    host: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, list[int]] = {n: [] for n in names}
     for r in range(args.ab_rounds):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -177,12 +194,14 @@ def alternating(configs: dict[str, Callable], step, args) -> dict[str, list[floa
             finally:
                 undo()
             times[name] += got["times_ms"]
+            host[name] += got["host_ms"]
             if got["peak_bytes"] is not None:
                 peaks[name].append(got["peak_bytes"])
     return {
         n: {
             "times_ms": times[n],
             "ms": statistics.median(times[n]),
+            "host_ms": statistics.median(host[n]),
             "peak_bytes": max(peaks[n], default=None),
         }
         for n in names
@@ -347,6 +366,7 @@ def report(result: dict[str, Any]) -> None:
         "target",
         "best single",
         "plan/single",
+        "host/device",
         "peak GiB",
         "verdict",
     ):
@@ -374,6 +394,7 @@ def report(result: dict[str, Any]) -> None:
                 "-" if target is None else f"<= {target:.2f}",
                 r["best_single"] or "none fits",
                 "-" if r["ratio_to_single"] is None else f"{r['ratio_to_single']:.3f}",
+                f"{r['ab']['plan']['host_ms'] / r['ab']['plan']['ms']:.2f}",
                 "n/a" if peak is None else f"{peak / GIB:.2f}",
                 r["verdict"],
             )
