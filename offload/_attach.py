@@ -59,22 +59,52 @@ class LayerHooks:
     they stay registered between forwards (outside a forward they return at once),
     which takes their registration off the step's start. They are made from the bound
     methods at each registration, so this object holds no reference to the offloader.
+
+    A forward expected to offload nothing registers them on its first layer only
+    (``partial``); :meth:`add_rest` registers the others when it turns out to offload
+    (Note [untracked calls] in ``offload/activations.py``).
     """
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self._modules = list(dict.fromkeys(layers))  # each module once, in order
         self._handles: list[Any] = []
+        #: the hook objects registered, for add_rest()
+        self._hooks: tuple[_ModuleHook, _ModuleHook] | None = None
+        #: registered on one module only (``_first``)
+        self.partial = False
+        self._first: torch.nn.Module | None = None
         #: attachments that keep the hooks registered between forwards
         self._holders = 0
 
-    def add(self, start: Callable[..., None], end: Callable[..., None]) -> None:
-        """Register the hooks (``start`` before each layer, ``end`` after it), unless
-        they are registered already."""
+    def add(
+        self,
+        start: Callable[..., None],
+        end: Callable[..., None],
+        first: torch.nn.Module | None = None,
+    ) -> None:
+        """Register the hooks (``start`` before each layer, ``end`` after it) on every
+        layer, or on ``first`` alone; nothing when they are registered already."""
         if self._handles:
             return
         # one hook object of each kind for every module: it holds nothing per module
-        before, after = _ModuleHook(start, arity=3), _ModuleHook(end, arity=4)
-        for module in self._modules:
+        self._hooks = (_ModuleHook(start, arity=3), _ModuleHook(end, arity=4))
+        if first is not None and any(m is first for m in self._modules):
+            self._first = first
+            self._register([first])
+            self.partial = True
+        else:
+            self._register(self._modules)
+
+    def add_rest(self) -> None:
+        """Register the hooks on the layers :meth:`add` left out (``first`` given)."""
+        if self.partial:
+            self.partial = False
+            first = self._first
+            self._register([m for m in self._modules if m is not first])
+
+    def _register(self, modules: list[torch.nn.Module]) -> None:
+        before, after = self._hooks  # type: ignore[misc]
+        for module in modules:
             self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -87,6 +117,9 @@ class LayerHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._hooks = None
+        self.partial = False
+        self._first = None
 
     def hold(
         self, hold: bool, start: Callable[..., None], end: Callable[..., None], idle: bool
@@ -97,6 +130,7 @@ class LayerHooks:
         if hold:
             self._holders += 1
             self.add(start, end)
+            self.add_rest()
             return
         self._holders -= 1
         if not self._holders and idle:

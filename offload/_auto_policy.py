@@ -398,6 +398,9 @@ class AutoPolicy:
     def _next_run(self, fam: Family, decision: _auto.AutoDecision, mem: Memory | None) -> Run:
         """A step without offloading, or the choice (module docstring, ``VERIFY``)."""
         if not decision.offloaded:
+            if fam.phase is Phase.VERIFY and len(fam.none) >= MIN_PAIRS:
+                # no layer to verify; watched like a settled choice from now on
+                fam.settle("nothing to verify: no layer chosen at these sizes")
             return Run.NONE  # nothing offloaded: a step without offloading
         if fam.calibrate:
             # only far from the memory limit: the cold step's memory is the least sure

@@ -36,6 +36,9 @@ class Schedule:
     select: Callable[[int, Any], bool] = dataclasses.field(
         default=lambda i, m: False, compare=False, repr=False
     )
+    #: no call of any forward is offloaded, however many it makes (``offload_layers``
+    #: ``0`` or empty, or "auto" choosing none): Note [untracked calls]
+    offloads_nothing: bool = False
 
 
 def make_plan(
@@ -95,7 +98,19 @@ def plan_forward(
     """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order."""
     select = resolve_selection(selection, len(calls))
     offloaded = [i for i, m in enumerate(calls) if select(i, m)]
-    return make_plan(len(calls), offloaded, prefetch_layers, select)
+    plan = make_plan(len(calls), offloaded, prefetch_layers, select)
+    if not offloaded and _selects_nothing(selection):
+        plan = dataclasses.replace(plan, offloads_nothing=True)
+    return plan
+
+
+def _selects_nothing(selection: LayerSelection) -> bool:
+    """Whether ``selection`` selects no call at any index (a longer forward included)."""
+    if isinstance(selection, bool) or callable(selection) or isinstance(selection, str):
+        return False
+    if isinstance(selection, int):
+        return selection <= 0
+    return selection is not None and len(selection) == 0
 
 
 def check_selection(selection: LayerSelection, num_groups: int) -> None:

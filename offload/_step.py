@@ -95,7 +95,7 @@ from offload._policy import MANUAL, RECORDINGS, SCHEDULED, Recording, Trigger
 from offload._runtime import Runtime
 from offload._saves import Saves, _Bucket, _nbytes
 from offload._transfer import HostCopy
-from offload.profiling import KEEP_REASONS, OffloadStats
+from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
 __all__ = ["Step"]
 
@@ -124,6 +124,10 @@ class Step(Saves, GroupLife):
         self.groups: list[Group] = []
         self.open: Group | None = None
         self.depth = 0  # nested calls of registered layers inside an open group
+        #: the modules of the layer calls after the first, in a forward that offloads
+        #: nothing (Note [untracked calls]); None: every call is a group
+        self.untracked: list[torch.nn.Module] | None = None
+        self.untracked_depth = 0  # nested registered layers inside an untracked call
         self.pending: list[tuple[Pending, torch.Tensor]] = []
         self.forward_done = False
         self.aborted = False
@@ -296,6 +300,10 @@ class Step(Saves, GroupLife):
             for _handle, t in self.pending:
                 self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
+            if self.untracked:
+                first = len(self.groups)
+                for i in range(first, first + len(self.untracked)):
+                    self.stats.layers.append(LayerStats(index=i, offloaded=False))
             for group in self.groups:
                 if group.offload and group.state is not RELEASED and self.trigger.releases_at_end:
                     if group.state is OPEN and group.device_refs and self.backend is not None:
@@ -343,6 +351,10 @@ class Step(Saves, GroupLife):
             self.all_buckets.clear()
             self.buffers.clear()
         self.remove_hooks()
+
+    def calls(self) -> list[Any]:
+        """The modules of this forward's layer calls, in order (untracked ones included)."""
+        return [g.module for g in self.groups] + (self.untracked or [])
 
     def remove_hooks(self) -> None:
         """Remove every hook this step registered on tensors (idempotent)."""

@@ -13,8 +13,9 @@ import torch
 from offload import _attach, _context, _device
 from offload._attach import AttachHandle, LayerHooks
 from offload._auto_policy import AutoPolicy
-from offload._diagnose import CallOrder, saved_elsewhere
+from offload._diagnose import CallOrder
 from offload._handles import unpack_hook
+from offload._layer_calls import LayerCalls
 from offload._manual import _prune
 from offload._plan import check_selection, plan_forward
 from offload._runtime import Runtime
@@ -29,9 +30,6 @@ __all__ = ["ActivationOffloader", "no_offload"]
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
-#: the thread-local behind ``_context.owner()``, read directly in the per-layer hooks
-_ACTIVE = _context.active
-
 _NO_FORWARD_YET = (
     "offload: no forward has run under this offloader yet, so there is nothing to "
     "report. Run a forward inside `with offloader:` (and its backward), then call report()."
@@ -44,10 +42,6 @@ _NOT_CALLED = (
     "`with` block."
 )
 
-#: ``(pack, unpack)`` of the innermost saved-tensor hooks of the thread, or None (private:
-#: no public API tells; ActivationOffloader._hooks_on_top falls back when it is missing)
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
 
 @dataclasses.dataclass(frozen=True)
 class CaptureView:
@@ -59,7 +53,7 @@ class CaptureView:
     selection: LayerSelection
 
 
-class ActivationOffloader:
+class ActivationOffloader(LayerCalls):
     """Offload the activations that layers save for backward to host memory.
 
     Inside ``with offloader:`` every tensor that autograd saves while one of ``layers``
@@ -240,10 +234,14 @@ class ActivationOffloader:
         return step
 
     def _end_forward(self, step: Step) -> None:
+        if step.untracked is not None and self._layer_hooks.partial:
+            # the calls after the first ran without our hooks (Note [untracked calls]):
+            # taken to be the last forward's
+            step.untracked.extend(self._calls[1:])
         step.finish_forward()
         if step.groups:
-            self._calls = [g.module for g in step.groups]
-            self._groups_this_entry += len(step.groups)
+            self._calls = step.calls()
+            self._groups_this_entry += len(self._calls)
             if not step.finished:
                 self._unfinished.append(step)
             if step.plan.offloaded and not any(g.stats.bytes_offloaded for g in step.groups):
@@ -262,8 +260,14 @@ class ActivationOffloader:
             # across steps (a fixed batch, a parameter passed to every layer).
             self._unfinished = _prune(self._unfinished)
             self._groups_this_entry = 0
-            self._new_step()
-            self._layer_hooks.add(self._layer_start, self._layer_end)  # once while attached
+            last = self._last
+            step = self._new_step()
+            # Note [untracked calls]: a forward expected to offload nothing hooks its
+            # first layer only (the others are hooked if it offloads after all)
+            first = None
+            if step.plan.offloads_nothing or (last is not None and last.untracked is not None):
+                first = self._calls[0]
+            self._layer_hooks.add(self._layer_start, self._layer_end, first)
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
@@ -285,7 +289,7 @@ class ActivationOffloader:
                 # every microsecond of host work delays the step's first kernels. It
                 # depends only on _calls (set by _end_forward) and the frozen config.
                 self._next = self._make_step()
-                if self._groups_this_entry == 0:
+                if self._groups_this_entry == 0 and not self._layer_hooks.partial:
                     self._warn_once("not_called", _NOT_CALLED.format(n=len(self._layers)))
             else:
                 step.abort()
@@ -306,67 +310,6 @@ class ActivationOffloader:
 
     def _pack(self, t: torch.Tensor) -> Any:
         return self._step.pack(t)  # type: ignore[union-attr]
-
-    def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        step = self._step
-        if step is None or _ACTIVE.owner is not self:
-            # outside a forward, or a call made on another thread (a second offloader
-            # over the same modules, data-parallel replicas): not ours
-            return
-        groups = step.groups
-        if step.open is None and len(groups) >= len(self._layers) and module is groups[0].module:
-            # The first layer again after a whole forward: the next forward (another
-            # micro-batch) in the same context entry. It gets its own plan, so the
-            # calls offloaded do not depend on how many forwards an entry holds.
-            self._end_forward(step)
-            step = self._new_step()
-        if self._auto is not None and not step.groups:
-            self._auto.prepare(self, step, (args, kwargs))
-        if step.open is None and "order" not in self._warned:
-            message = self._order.check(len(step.groups), module)
-            if message is not None:
-                self._warn_once("order", message)
-        step.open_group(module, (args, kwargs))
-        group = step.open
-        if (
-            group is not None
-            and not group.offload
-            and step.depth == 0
-            and not step.probe
-            and not self._aside
-            and _hooks_on_top(self._saved_hooks)
-        ):
-            # A layer call that is not offloaded runs without our saved-tensor hooks:
-            # every tensor it saves would be kept anyway, and a Python hook per saved
-            # tensor is what a launch-bound model pays for. Autograd then saves them
-            # itself (with its own in-place checks); they are not counted in the stats.
-            self._saved_hooks.__exit__(None, None, None)
-            self._aside = True
-
-    def _layer_end(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        step = self._step
-        if step is not None and _ACTIVE.owner is self:
-            group = step.open if step.depth == 0 else None
-            if self._aside and step.depth == 0:
-                self._saved_hooks.__enter__()  # type: ignore[union-attr]
-                self._aside = False
-            step.close_group(output)
-            if group is not None and group.offload and not group.stats.bytes_offloaded:
-                if "saved_elsewhere" not in self._warned:
-                    self._check_saved_elsewhere(step, group, module, output)
-
-    def _check_saved_elsewhere(self, step: Step, group: Any, module: Any, output: Any) -> None:
-        """Warn once when an offloaded layer saved nothing through our hooks: whose were
-        its saves? (One look only: it walks the autograd graph.)"""
-        stats = group.stats
-        if step.probe or stats.bytes_offloaded or any(stats.bytes_kept.values()):
-            return
-        if torch.is_grad_enabled():
-            self._warned.add("saved_elsewhere")
-            message = saved_elsewhere(group.index, module, output)
-            if message is not None:
-                self._saved_elsewhere = True
-                warn_at_caller(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -598,18 +541,6 @@ def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
         f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
         f"offloading but no bytes were offloaded; {why}."
     )
-
-
-def _hooks_on_top(saved_hooks: Any) -> bool:
-    """Whether our saved-tensor hooks are the innermost on this thread (only then
-    may they be popped: hooks pushed inside ``with offloader:`` by the caller, e.g.
-    non-reentrant checkpointing around a layer, must stay). PyTorch has no public
-    way to ask; without the private one, the hooks stay (correct, only slower)."""
-    top = _TOP_HOOKS
-    if top is None or saved_hooks is None:
-        return False
-    current = top(False)
-    return current is not None and current[0] is saved_hooks.pack_hook
 
 
 class no_offload(contextlib.ContextDecorator):
