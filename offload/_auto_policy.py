@@ -539,7 +539,7 @@ class AutoPolicy:
             "memory": None if mem is None else mem.to_dict(),
             "state": self.state_size(),
         }
-        if run is Run.NONE:
+        if run is Run.NONE and decision.offloaded:
             out["reason"] = (
                 f"verifying: this step runs without offloading, in alternation with the "
                 f"choice ({decision.reason})"

@@ -99,7 +99,9 @@ class OffloadStats:
             else referenced (a layer output also saved by a layer that is not offloaded,
             or an input the caller still holds, travels but frees nothing). The drop of
             peak memory is measured against this number.
-        layers: one :class:`LayerStats` per group, in call order.
+        layers: one :class:`LayerStats` per group, in call order. A forward that
+            offloads nothing tracks its first call only: the later calls are listed
+            with zeros, and ``bytes_kept`` counts what was saved before the second call.
         host_pool_bytes: host bytes handed out by the pool now.
         host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
         host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
