@@ -181,6 +181,8 @@ def test_auto_choosing_no_layer_runs_untracked_and_offloads_again_when_memory_ne
     assert runs[0][0]["step"] == "probe" and all(runs[0][1])  # measures every layer
     for i, (auto, hooked, sent) in enumerate(runs[2:], start=2):
         assert auto["offloaded"] == [] and sent == 0, auto
+        # the decision's own reason, not "verifying ... in alternation with the choice"
+        assert auto["step"] == "none" and "alternation" not in auto["reason"], auto
         # after a measuring forward, every layer is hooked at the next entry
         assert hooked == [True] + [False] * (L - 1) or i == 2, (i, hooked)
     # nothing to verify: settled once steps without offloading were timed
