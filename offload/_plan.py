@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,7 +96,26 @@ def plan_forward(
     calls: Sequence[Any],
     prefetch_layers: int | None,
 ) -> Schedule:
-    """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order."""
+    """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order.
+
+    A selection that is not a callable ignores the modules: its plans are shared (a
+    :class:`Schedule` is never modified), since every step asks for one."""
+    if not callable(selection):
+        key = (
+            selection
+            if selection is None or isinstance(selection, (int, str))
+            else tuple(selection)
+        )
+        return _shared_plan(key, len(calls), prefetch_layers)
+    return _plan(selection, calls, prefetch_layers)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _shared_plan(selection: Any, num_groups: int, prefetch_layers: int | None) -> Schedule:
+    return _plan(selection, [None] * num_groups, prefetch_layers)
+
+
+def _plan(selection: LayerSelection, calls: Sequence[Any], prefetch_layers: int | None) -> Schedule:
     select = resolve_selection(selection, len(calls))
     offloaded = [i for i, m in enumerate(calls) if select(i, m)]
     plan = make_plan(len(calls), offloaded, prefetch_layers, select)

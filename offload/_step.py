@@ -300,10 +300,6 @@ class Step(Saves, GroupLife):
             for _handle, t in self.pending:
                 self.outside["outside_layers"] += _nbytes(t)
             self.pending = []
-            if self.untracked:
-                first = len(self.groups)
-                for i in range(first, first + len(self.untracked)):
-                    self.stats.layers.append(LayerStats(index=i, offloaded=False))
             for group in self.groups:
                 if group.offload and group.state is not RELEASED and self.trigger.releases_at_end:
                     if group.state is OPEN and group.device_refs and self.backend is not None:
@@ -402,6 +398,10 @@ class Step(Saves, GroupLife):
                 released += s.bytes_released
                 for reason, n in s.bytes_kept.items():
                     kept[reason] += n
+            if self.untracked:  # listed when read (Note [untracked calls])
+                layers = stats.layers
+                for i in range(len(layers), len(self.groups) + len(self.untracked)):
+                    layers.append(LayerStats(index=i, offloaded=False))
             stats.bytes_kept = kept
             stats.bytes_offloaded = offloaded
             stats.bytes_released = released
