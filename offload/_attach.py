@@ -62,7 +62,7 @@ class LayerHooks:
 
     A forward expected to offload nothing registers them on its first layer only
     (``partial``); :meth:`add_rest` registers the others when it turns out to offload
-    (Note [untracked calls] in ``offload/activations.py``).
+    (Note [untracked calls] in ``offload/_layer_calls.py``).
     """
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:

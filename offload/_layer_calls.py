@@ -45,14 +45,10 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 
 def _untracked_after_first(step: Step) -> bool:
-    """Whether ``step``'s first layer call, just ending with our hooks aside, ends its
-    tracking (Note [untracked calls])."""
+    """Whether ``step``'s first layer call, just ending (not nested) with our hooks
+    aside, ends its tracking (Note [untracked calls])."""
     return (
-        step.plan.offloads_nothing
-        and not step.probe
-        and step.capture is None
-        and not step.manual
-        and step.depth == 0
+        step.plan.offloads_nothing and not step.probe and step.capture is None and not step.manual
     )
 
 

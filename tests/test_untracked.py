@@ -29,6 +29,16 @@ def _model(n_layers: int, dim: int = 64):
     return layers, twin(layers)
 
 
+def _untracked(L: int, warm: bool = True):
+    """Layers, their twin and an offloader that offloads nothing; ``warm``: after one
+    step (the plan knows the calls)."""
+    layers, ref = _model(L)
+    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
+    if warm:
+        _run(layers, ref, off)
+    return layers, ref, off
+
+
 def _hooked(layers) -> list[bool]:
     """Which layers carry a forward pre-hook now."""
     return [bool(layer._forward_pre_hooks) for layer in layers]
@@ -58,8 +68,7 @@ def _recording(seen: list[bool]):
 
 def test_offload_layers_zero_hooks_only_the_first_layer() -> None:
     L = 5
-    layers, ref = _model(L)
-    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
+    layers, ref, off = _untracked(L, warm=False)
     for _ in range(3):
         hooked = _run(layers, ref, off)
         assert hooked == [True] + [False] * (L - 1)
@@ -67,7 +76,8 @@ def test_offload_layers_zero_hooks_only_the_first_layer() -> None:
         assert [la.index for la in stats.layers] == list(range(L))
         assert not any(la.offloaded for la in stats.layers)
         assert stats.bytes_offloaded == 0
-    assert off._step is None and _TOP is None or _TOP(False) is None  # our hooks are off
+    assert off._step is None
+    assert _TOP is None or _TOP(False) is None  # our saved-tensor hooks are off
     off.close()
 
 
@@ -75,9 +85,7 @@ def test_two_forwards_in_one_entry_each_get_every_call() -> None:
     # micro-batches inside one `with`: the first layer called again starts the next
     # forward, though the other layers carry no hook
     L = 4
-    layers, ref = _model(L)
-    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
-    _run(layers, ref, off)  # the plan knows the calls
+    layers, ref, off = _untracked(L)  # after one step: the plan knows the calls
     x1, x2 = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     with off:
         l1 = models.run_plain(layers, x1.clone().requires_grad_(True)).square().mean()
@@ -97,9 +105,8 @@ def test_two_forwards_in_one_entry_each_get_every_call() -> None:
 
 def test_attached_hooks_stay_on_every_layer_and_the_calls_are_listed() -> None:
     L = 4
-    layers, ref = _model(L)
+    layers, ref, off = _untracked(L, warm=False)
     model = nn.Sequential(*layers)
-    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
     with off.attach(model):
         for _ in range(2):
             x = torch.randn(2, 16, 64)
@@ -121,10 +128,7 @@ def test_attached_hooks_stay_on_every_layer_and_the_calls_are_listed() -> None:
 
 
 def test_an_exception_in_an_untracked_call_leaves_nothing_behind() -> None:
-    L = 4
-    layers, ref = _model(L)
-    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
-    _run(layers, ref, off)
+    layers, ref, off = _untracked(4)
 
     def boom(module, args):
         raise RuntimeError("boom")
@@ -145,11 +149,8 @@ def test_an_exception_in_an_untracked_call_leaves_nothing_behind() -> None:
 
 def test_a_forward_that_skips_the_expected_first_layer_is_left_alone() -> None:
     # the hooked first layer is not called (a layer-dropping forward): nothing happens,
-    # no warning, and the next forward hooks every layer again
-    L = 4
-    layers, ref = _model(L)
-    off = offload.ActivationOffloader(layers, offload_layers=0, min_tensor_bytes=0)
-    _run(layers, ref, off)
+    # no warning, and the next whole forward runs as before
+    layers, ref, off = _untracked(4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = step(layers[1:], torch.randn(2, 16, 64), models.run_plain, off)
