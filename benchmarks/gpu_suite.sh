@@ -14,6 +14,8 @@
 #   dbuf       activations_double_buffering.json (k = 7 with and without double buffering)
 #   auto       auto.json ("auto" against every k, ref-8L and an HF Llama ~1B)
 #   hooks      hooks.json (host microseconds per saved tensor)
+#   versions   versions.json and hooks_versions.json: this tree against the one in .old/
+#              (made with: mkdir -p .old && git archive <commit> offload | tar -x -C .old)
 #   profile    profile_ref8l_k4.json (python -m offload profile, k = 4; the timeline figure)
 #   weights    weights.json and weights_example.log (examples/weights.py)
 #   moe        moe_wgrad.json (fused fp32 weight-gradient accumulation of MoE experts)
@@ -55,6 +57,11 @@ for part in $parts; do
              --double-buffering-compare --out "$OUT/activations_double_buffering.json" 2>&1 | tail -10 ;;
     auto) timeout 300 python3 $B/activations/bench_auto.py --out "$OUT/auto.json" 2>&1 | tail -30 ;;
     hooks) timeout 120 python3 $B/activations/bench_hooks.py --out "$OUT/hooks.json" 2>&1 | tail -30 ;;
+    versions) if [ ! -f .old/offload/__init__.py ]; then echo "versions: no .old/offload (see above)"; else
+             timeout 500 python3 $B/activations/bench_versions.py --old .old --new . \
+             --out "$OUT/versions.json" 2>&1 | tail -40
+             timeout 300 python3 $B/activations/bench_hooks_versions.py --old .old --rounds 100 \
+             --out "$OUT/hooks_versions.json" 2>&1 | tail -6; fi ;;
     profile) timeout 200 python3 -m offload profile --offload-layers 4 --steps 5 \
              --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
     weights) timeout 240 python3 $B/weights/bench_weights.py --out "$OUT/weights.json" 2>&1 | tail -25
@@ -90,6 +97,8 @@ for part in $parts; do
              --out "$OUT/diagnostics/host_calls.json" 2>&1 | grep -E "first layer|pack |d2h"
              timeout 120 python3 $B/diagnostics/trace_plan.py \
              --out "$OUT/diagnostics/trace_plan.json" 2>&1 | tail -12
+             timeout 200 python3 $B/diagnostics/one_layer.py \
+             --out "$OUT/diagnostics/one_layer.json" 2>&1 | tail -9
              for sel in 0 all; do timeout 90 python3 $B/diagnostics/hostprof.py \
              --offload-layers $sel --top 22 2>&1 | tee "$OUT/diagnostics/hostprof_$sel.log" | head -34; done ;;
     extra) bash -c "${EXTRA:-true}" ;;

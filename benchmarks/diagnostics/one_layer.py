@@ -1,0 +1,141 @@
+"""What offloading one layer costs an HF Llama ~1.1B step, length by length.
+
+Command (one H200, about a minute)::
+
+    PYTHONPATH=. python3 benchmarks/diagnostics/one_layer.py --out one_layer.json
+
+The least that offloading can move is one layer call: ``offload_layers=1`` offloads the
+first decoder layer, released when the last layer starts and reloaded when the backward
+of the second-to-last starts (the widest window the schedule gives). Where that costs
+more than ``max_slowdown`` (1.03) over no offloading, no offloading choice meets it, and
+"auto" can only offload nothing where memory allows.
+
+Model: ``benchmarks._common.llama_1b_config`` (hidden 2048, 16 layers, ffn 5632, 32
+heads, 4 KV heads), SDPA, bf16, random weights, batch 1. Per length of ``--lengths``:
+two warm-up steps each way (the first step at a shape pays for kernel selection), then
+``--blocks`` blocks of ``--steps`` steps each way in alternation (no offloading first in
+even blocks); a step is forward + loss + backward with gradients set to ``None`` first,
+timed with CUDA events after a synchronisation. Columns: the median step of each,
+``ratio`` (medians), ``spread`` (fastest to slowest no-offloading step, the noise), the
+bytes offloaded per step, and the offloaded step's activation peak against no
+offloading's (``torch.cuda.max_memory_allocated`` during one step, less the memory
+allocated before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import offload
+from benchmarks._common import environment, llama_1b_config, write_json
+
+
+def step(model: Any, ids: torch.Tensor, off: Any) -> float:
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    with off if off is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def peak(model: Any, ids: torch.Tensor, off: Any) -> int:
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step(model, ids, off)
+    return torch.cuda.max_memory_allocated() - before
+
+
+def measure(model: Any, off: Any, seq: int, args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator("cuda").manual_seed(seq)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=gen)
+    for _ in range(2):
+        step(model, ids, None)
+        step(model, ids, off)
+    none: list[float] = []
+    one: list[float] = []
+    for b in range(args.blocks):
+        order = [(None, none), (off, one)]
+        for o, out in order if b % 2 == 0 else order[::-1]:
+            out.extend(step(model, ids, o) for _ in range(args.steps))
+    sent = off.stats.bytes_offloaded
+    return {
+        "seq": seq,
+        "none_ms": none,
+        "one_ms": one,
+        "none_ms_median": statistics.median(none),
+        "one_ms_median": statistics.median(one),
+        "ratio": statistics.median(one) / statistics.median(none),
+        "spread": max(none) / min(none) - 1.0,
+        "bytes_offloaded": sent,
+        "peak_none": peak(model, ids, None),
+        "peak_one": peak(model, ids, off),
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="2048,3072,4096,5120,6144,7168,8192")
+    p.add_argument("--blocks", type=int, default=4, help="blocks each way")
+    p.add_argument("--steps", type=int, default=2, help="steps per block")
+    p.add_argument("--out", default=None, help="JSON output file")
+    args = p.parse_args(argv)
+    try:
+        args.lengths = [int(s) for s in args.lengths.split(",")]
+    except ValueError:
+        p.error(f"--lengths: comma-separated integers, got {args.lengths!r}")
+    if min(args.lengths) < 1 or args.blocks < 1 or args.steps < 1:
+        p.error("--lengths, --blocks and --steps >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("one_layer.py needs a CUDA device")
+    import transformers
+
+    torch.manual_seed(0)
+    config = llama_1b_config(max(args.lengths))
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to("cuda", torch.bfloat16).train()
+    off = offload.ActivationOffloader(offload.find_layers(model), offload_layers=1)
+    rows = [measure(model, off, seq, args) for seq in args.lengths]
+    off.close()
+    print(
+        f"{'seq':>6s} {'none ms':>8s} {'one ms':>8s} {'ratio':>6s} {'spread':>6s} {'MiB sent':>9s}"
+    )
+    for r in rows:
+        print(
+            f"{r['seq']:6d} {r['none_ms_median']:8.2f} {r['one_ms_median']:8.2f} "
+            f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['bytes_offloaded'] / 2**20:9.1f}"
+        )
+    if args.out:
+        out = {
+            "benchmark": "one_layer",
+            "command": sys.argv,
+            "settings": vars(args),
+            "environment": environment(torch.device("cuda")),
+            "rows": rows,
+        }
+        write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
