@@ -14,7 +14,7 @@
 #   dbuf       activations_double_buffering.json (k = 7 with and without double buffering)
 #   auto       auto.json ("auto" against every k, ref-8L and an HF Llama ~1B)
 #   hooks      hooks.json (host microseconds per saved tensor)
-#   versions   versions.json and hooks_versions.json: this tree against the one in .old/
+#   versions   versions.json and versions_inproc.json: this tree against the one in .old/
 #              (made with: mkdir -p .old && git archive <commit> offload | tar -x -C .old)
 #   profile    profile_ref8l_k4.json (python -m offload profile, k = 4; the timeline figure)
 #   weights    weights.json and weights_example.log (examples/weights.py)
@@ -60,8 +60,8 @@ for part in $parts; do
     versions) if [ ! -f .old/offload/__init__.py ]; then echo "versions: no .old/offload (see above)"; else
              timeout 500 python3 $B/activations/bench_versions.py --old .old --new . \
              --out "$OUT/versions.json" 2>&1 | tail -40
-             timeout 300 python3 $B/activations/bench_hooks_versions.py --old .old --rounds 100 \
-             --out "$OUT/hooks_versions.json" 2>&1 | tail -6; fi ;;
+             timeout 300 python3 $B/activations/bench_versions_inproc.py --old .old \
+             --out "$OUT/versions_inproc.json" 2>&1 | tail -6; fi ;;
     profile) timeout 200 python3 -m offload profile --offload-layers 4 --steps 5 \
              --json "$OUT/profile_ref8l_k4.json" 2>&1 | tail -30 ;;
     weights) timeout 240 python3 $B/weights/bench_weights.py --out "$OUT/weights.json" 2>&1 | tail -25
