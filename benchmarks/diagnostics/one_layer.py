@@ -20,6 +20,11 @@ timed with CUDA events after a synchronisation. Columns: the median step of each
 bytes offloaded per step, and the offloaded step's activation peak against no
 offloading's (``torch.cuda.max_memory_allocated`` during one step, less the memory
 allocated before it).
+
+``--trace 4096,8192``: at those lengths, one more step of each under ``torch.profiler``,
+read as ``trace_plan.py`` reads a plan's step: device ms, the compute stream's busy and
+idle time and its largest idle gaps (with the host-to-device copies running in them), the
+copy streams' busy time, and host runtime calls over 100 us: where one layer's cost goes.
 """
 
 from __future__ import annotations
@@ -74,6 +79,17 @@ def measure(model: Any, off: Any, seq: int, args: argparse.Namespace) -> dict[st
         for o, out in order if b % 2 == 0 else order[::-1]:
             out.extend(step(model, ids, o) for _ in range(args.steps))
     sent = off.stats.bytes_offloaded
+    traced = None
+    if seq in args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        from benchmarks.diagnostics.trace_plan import analyse
+
+        traced = {}
+        for name, o in (("none", None), ("one", off)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step(model, ids, o)
+            traced[name] = analyse(prof, gaps=6)
     return {
         "seq": seq,
         "none_ms": none,
@@ -85,6 +101,7 @@ def measure(model: Any, off: Any, seq: int, args: argparse.Namespace) -> dict[st
         "bytes_offloaded": sent,
         "peak_none": peak(model, ids, None),
         "peak_one": peak(model, ids, off),
+        "trace": traced,
     }
 
 
@@ -93,12 +110,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="2048,3072,4096,5120,6144,7168,8192")
     p.add_argument("--blocks", type=int, default=4, help="blocks each way")
     p.add_argument("--steps", type=int, default=2, help="steps per block")
+    p.add_argument("--trace", default="", help="lengths (of --lengths) to profile one step at")
     p.add_argument("--out", default=None, help="JSON output file")
     args = p.parse_args(argv)
     try:
         args.lengths = [int(s) for s in args.lengths.split(",")]
+        args.trace = [int(s) for s in args.trace.split(",") if s.strip()]
     except ValueError:
-        p.error(f"--lengths: comma-separated integers, got {args.lengths!r}")
+        p.error(
+            f"--lengths, --trace: comma-separated integers, got {args.lengths!r}, {args.trace!r}"
+        )
+    if not set(args.trace) <= set(args.lengths):
+        p.error(f"--trace {args.trace}: each length must be one of --lengths {args.lengths}")
     if min(args.lengths) < 1 or args.blocks < 1 or args.steps < 1:
         p.error("--lengths, --blocks and --steps >= 1")
     return args
@@ -126,6 +149,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['seq']:6d} {r['none_ms_median']:8.2f} {r['one_ms_median']:8.2f} "
             f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['bytes_offloaded'] / 2**20:9.1f}"
         )
+        for name, t in (r["trace"] or {}).items():
+            print(
+                f"{'':6s} {name}: device {t['device_ms']:.1f} ms, compute busy "
+                f"{t['compute_busy_ms']:.1f}, idle {t['compute_idle_ms']:.1f}; D2H "
+                f"{t['d2h_busy_ms']:.1f}, H2D {t['h2d_busy_ms']:.1f} ms; largest gaps "
+                + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in t["largest_gaps"][:3])
+                + f"; slow host calls {len(t['slow_runtime_calls'])}"
+            )
     if args.out:
         out = {
             "benchmark": "one_layer",
