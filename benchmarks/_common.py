@@ -7,6 +7,7 @@ Scripts import it as ``benchmarks._common``: run them from the repository root w
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,36 @@ def synchronize(device: torch.device) -> None:
     """Wait for all work queued on ``device`` (every stream); no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def gc_off() -> Iterator[None]:
+    """Garbage collector off for the timed span (as ``timeit`` does)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def hf_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tensor, float]:
+    """One step of a Hugging Face causal LM on a CUDA device: gradients set to ``None``,
+    forward with ``labels=ids`` inside ``off`` (an offloader, or ``None``) and backward,
+    timed with CUDA events after a synchronisation. Returns the detached loss and the
+    step's device milliseconds."""
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    with off if off is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    end.record()
+    end.synchronize()
+    return loss.detach(), start.elapsed_time(end)
 
 
 class Timer:

@@ -15,7 +15,6 @@ Command (one H200; about two minutes)::
 
 from __future__ import annotations
 
-import contextlib
 import random
 import statistics
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 import offload
-from benchmarks._common import llama_1b_config
+from benchmarks._common import hf_step, llama_1b_config
 from offload import _auto_policy
 from tests.auto_fake import state_bounds
 from tests.models import ON_CUDA_DETERMINISTIC
@@ -46,16 +45,7 @@ def _llama(max_len: int):
 
 def _step(model, ids: torch.Tensor, off=None) -> tuple[torch.Tensor, float]:
     """Forward and backward (gradients set to None first); the loss and device ms."""
-    for p in model.parameters():
-        p.grad = None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    with off if off is not None else contextlib.nullcontext():
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    end.record()
-    end.synchronize()
-    return loss.detach(), start.elapsed_time(end)
+    return hf_step(model, ids, off)
 
 
 def _grads(model, device: torch.device | str) -> list[torch.Tensor]:

@@ -60,14 +60,14 @@ import contextlib
 import gc
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import offload
-from benchmarks._common import environment, median, synchronize, write_json
+from benchmarks._common import environment, gc_off, median, synchronize, write_json
 
 
 class SinLayer(nn.Module):
@@ -81,18 +81,6 @@ class SinLayer(nn.Module):
         for _ in range(self.ops):
             x = torch.sin(x)
         return x
-
-
-@contextlib.contextmanager
-def gc_off() -> Iterator[None]:
-    """Garbage collector off for the timed span (as ``timeit`` does)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # --------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._common import environment, gc_off, median, synchronize, write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 TREES = ("old", "new")
 
@@ -94,17 +96,6 @@ def renamed_copy(tree: Path, scratch: Path) -> Path:
     return scratch
 
 
-class SinLayer(nn.Module):
-    def __init__(self, ops: int) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.ops):
-            x = torch.sin(x)
-        return x
-
-
 class Model:
     """One model's layers, its step input and loss, and its configurations."""
 
@@ -112,6 +103,9 @@ class Model:
         self.name = name
         torch.manual_seed(0)
         if name == "hooks":
+            # imported once both trees are on sys.path (bench_hooks imports offload)
+            from benchmarks.activations.bench_hooks import SinLayer
+
             n, ops = (4, 4) if quick else (64, 16)
             self.layers = nn.ModuleList(SinLayer(ops) for _ in range(n))
             self.x = torch.randn(256, device=device)
@@ -148,25 +142,17 @@ class Model:
         return x
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_step(model: Model, off: Any, device: torch.device) -> float:
     loss = model.loss()
     gc.collect()
     synchronize(device)
-    gc.disable()
-    try:
+    with gc_off():
         start = time.perf_counter()
         with off if off is not None else contextlib.nullcontext():
             value = loss()
         value.backward()
         synchronize(device)
         return (time.perf_counter() - start) * 1e3
-    finally:
-        gc.enable()
 
 
 def measure(model: Model, packages: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -191,26 +177,20 @@ def measure(model: Model, packages: dict[str, Any], args: argparse.Namespace) ->
     for off in offloaders.values():
         if off is not None:
             off.close()
-    none = _median(times[("none", "")])
+    none = median(times[("none", "")])
     configs = {}
     for config in model.configs:
         row: dict[str, Any] = {}
         for tree in TREES:
             t = times[(tree, config)]
-            row[tree] = {"step_ms": t, "step_ms_median": _median(t), "ratio": _median(t) / none}
+            row[tree] = {"step_ms": t, "step_ms_median": median(t), "ratio": median(t) / none}
             if model.saved is not None:
-                row[tree]["us_per_saved"] = (_median(t) - none) * 1e3 / model.saved
+                row[tree]["us_per_saved"] = (median(t) - none) * 1e3 / model.saved
         row["new_over_old"] = row["new"]["step_ms_median"] / row["old"]["step_ms_median"]
         pairs = zip(times[("new", config)], times[("old", config)])
-        row["paired"] = _median([n / o for n, o in pairs])
+        row["paired"] = median([n / o for n, o in pairs])
         configs[config] = row
     return {"none_ms": times[("none", "")], "none_ms_median": none, "configs": configs}
-
-
-def _median(values: Sequence[float]) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -250,8 +230,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         models = {
             name: measure(Model(name, device, args.quick), packages, args) for name in args.models
         }
-    from benchmarks._common import environment, write_json
-
     print(f"{'model':7s} {'config':6s} {'none ms':>8s} {'old ms':>8s} {'new ms':>8s} "
           f"{'old x':>6s} {'new x':>6s} {'new/old':>7s} {'paired':>6s}")  # fmt: skip
     for name, m in models.items():

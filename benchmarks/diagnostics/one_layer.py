@@ -30,7 +30,6 @@ copy streams' busy time, and host runtime calls over 100 us: where one layer's c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 from collections.abc import Sequence
@@ -39,21 +38,11 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, llama_1b_config, write_json
+from benchmarks._common import environment, hf_step, llama_1b_config, write_json
 
 
 def step(model: Any, ids: torch.Tensor, off: Any) -> float:
-    for p in model.parameters():
-        p.grad = None
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    with off if off is not None else contextlib.nullcontext():
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return hf_step(model, ids, off)[1]
 
 
 def peak(model: Any, ids: torch.Tensor, off: Any) -> int:
