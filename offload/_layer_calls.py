@@ -137,7 +137,12 @@ class LayerCalls:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
-            if group is not None and group.offload and not group.stats.bytes_offloaded:
+            if (
+                group is not None
+                and group.offload
+                and not group.stats.bytes_offloaded
+                and group.deferred is None  # placed later (Note [release order], 1(c))
+            ):
                 if "saved_elsewhere" not in self._warned:
                     self._check_saved_elsewhere(step, group, module, output)
 

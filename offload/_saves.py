@@ -552,6 +552,8 @@ class Saves:
         """``offload.start_offload``: issue the queued D2H copies now if one of them
         reads the storage of one of ``tensors``; returns whether it did."""
         with self.rt.lock:
+            if self.late is not None:  # a Step (offload/_step.py)
+                self._place_late(len(self.groups))
             if self.open is not None and self.open.deferred is not None:
                 self._place_deferred(self.open)
             queue = self.d2h_queue

@@ -26,10 +26,15 @@ Forward, group g (the call of layer g), offloaded:
    the host time of a copy of its own exceeds its link time. The flat copy is held by
    nothing but the backend, which marks it used by the D2H stream (b). The members'
    tensors are held until the release, which checks each one's version.
-1(c). *First layer call.* Group 0 places its saves at its close: the device starts the
-   step idle, so host time spent placing there is device time lost; from the second
-   call on the host runs ahead. A large save takes a ready mark at save time, so its
-   copy still waits only for its producer (a). Nothing is released before the close.
+1(c). *First layer call.* Group 0 places its saves after its kernels are queued: the
+   device starts the step idle, so host time spent placing before them is device time
+   lost. At its close when the next call is offloaded too (the copies keep their order);
+   otherwise at the start of the first later call that finds the device still short of
+   the previous call's start (the host is then a call ahead: a model that synchronises
+   before its layers, as Hugging Face's mask check does, gives it no lead at first),
+   and at the latest before ``LATE_CALLS`` calls, its release, an offloaded call or the
+   forward's end. A large save takes a ready mark at save time, so its copy still waits
+   only for its producer (a). Nothing is released before the placement.
 2. *Close.* An event recorded on the D2H stream covers every copy of the group.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g the j-th of the
    k offloaded groups; ``r == L`` only for the last call planned, released at its own
@@ -97,7 +102,11 @@ from offload._saves import Saves, _Bucket, _nbytes
 from offload._transfer import HostCopy
 from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
-__all__ = ["Step"]
+__all__ = ["LATE_CALLS", "Step"]
+
+#: Most calls that the first call's placement waits for the host to get ahead (Note
+#: [release order], 1(c)): its copies must still land before its release.
+LATE_CALLS = 4
 
 _tensors_in = _packing.tensors_requiring_grad
 
@@ -172,6 +181,12 @@ class Step(Saves, GroupLife):
         #: while deferred saves are placed (1(c)): the mark after the one being placed
         #: was produced, for the D2H copies issued then (None: mark now)
         self.d2h_ready: Any = None
+        #: group 0, closed with its saves not placed yet, and the compute stream's mark
+        #: taken at the last call boundary since (Note [release order], 1(c))
+        self.late: Group | None = None
+        self.late_mark: Any = None
+        #: the call at whose open the late group's saves were placed (None: at its close)
+        self.placed_late_at: int | None = None
 
     @property
     def manual(self) -> bool:
@@ -213,6 +228,8 @@ class Step(Saves, GroupLife):
                 self.depth += 1
                 return
             index = len(self.groups)
+            if self.late is not None:
+                self._place_late_or_wait(index)
             recording, trigger = self.recording, self.trigger
             recording.check_open(self)
             if index < self.plan.num_groups:
@@ -260,11 +277,16 @@ class Step(Saves, GroupLife):
                 return
             self.open = None
             group.state = CLOSED
-            self._flush_d2h(group)
-            if group.device_refs and self.backend is not None:
-                group.d2h_done = self.backend.record_d2h()
             last = group.offload and group.index == self.plan.num_groups - 1
-            if self.recording.releases_at_close or (last and self.trigger.releases_at_end):
+            releases = self.recording.releases_at_close or (last and self.trigger.releases_at_end)
+            mark = None if releases else self._late_mark(group)
+            if mark is not None:  # Note [release order], 1(c)
+                self.late, self.late_mark = group, mark
+            else:
+                self._flush_d2h(group)
+                if group.device_refs and self.backend is not None:
+                    group.d2h_done = self.backend.record_d2h()
+            if releases:
                 # this layer's graph ends with the layer: join its D2H now (Note
                 # [release order], "CUDA graphs"); or the last call planned (3)
                 self._release(group)
@@ -273,6 +295,55 @@ class Step(Saves, GroupLife):
             self.watch.closed(self, group, outputs)
         if outputs is not None:
             self.register_trigger(index, outputs)
+
+    def _late_mark(self, group: Group) -> Any:
+        """A mark of the compute stream when ``group``'s held-back saves may wait past
+        its close (Note [release order], 1(c)); ``None``: place them now (lock held)."""
+        deferred = group.deferred
+        if not deferred or self.depth:
+            return None
+        plan = self.plan
+        nxt = group.index + 1
+        if (
+            nxt >= plan.num_groups
+            or nxt in plan.offloaded
+            or group.index in plan.release_at.get(nxt, ())
+        ):
+            return None
+        backend = self.rt.backend(deferred[0][1].device)
+        # the synchronous backend has no device queue for the host to get ahead of
+        return backend.mark_ready() if backend.is_async else None
+
+    def _place_late_or_wait(self, index: int) -> None:
+        """At the open of call ``index``: place the late group's saves when the device is
+        still short of the mark taken at the last call's open (the host is a call
+        ahead) or when waiting longer would delay their copies past a limit, else take
+        a new mark (Note [release order], 1(c); lock held)."""
+        late = self.late
+        assert late is not None and late.deferred
+        plan = self.plan
+        nxt = index + 1
+        due = (
+            index - late.index >= LATE_CALLS
+            or nxt >= plan.num_groups
+            or index in plan.offloaded
+            or late.index in plan.release_at.get(nxt, ())
+            or late.index in plan.release_at.get(index, ())
+        )
+        if due or (index > late.index + 1 and not self.late_mark.query()):
+            self._place_late(index)
+            return
+        self.late_mark = self.rt.backend(late.deferred[0][1].device).mark_ready()
+
+    def _place_late(self, index: int) -> None:
+        """Place the late group's saves and issue their copies, at the open of call
+        ``index`` (lock held)."""
+        group, self.late, self.late_mark = self.late, None, None
+        assert group is not None
+        self.placed_late_at = index
+        self._flush_d2h(group)
+        if group.device_refs and self.backend is not None:
+            group.d2h_done = self.backend.record_d2h()
 
     def register_trigger(self, index: int, outputs: Any) -> None:
         """Reload the groups due at ``index`` when the gradient of ``outputs`` arrives."""
@@ -294,6 +365,8 @@ class Step(Saves, GroupLife):
         """The forward ended normally: release what is left (Note [release order], 3)."""
         with self.rt.lock:
             self.rt.drain()
+            if self.late is not None:
+                self._place_late(len(self.groups))
             self._flush_d2h(self.open)
             self.open = None
             self.forward_done = True
@@ -315,6 +388,7 @@ class Step(Saves, GroupLife):
         with self.rt.lock:
             self.rt.drain()
             self.open = None
+            self.late = self.late_mark = None
             self.forward_done = True
             self.aborted = True
             self.backward_done = True

@@ -5,12 +5,16 @@ forward ends. Every test compares against the model without offloading with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import offload
+from offload._device import SyncBackend
 from offload._handles import Kept, Offloaded, Pending
+from offload._step import LATE_CALLS
 
 from . import models
 
@@ -211,4 +215,57 @@ def test_attached_layers_keep_their_hooks_between_forwards() -> None:
         model(x)
     handle.remove()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+    off.close()
+
+
+class _Mark:
+    def __init__(self, reached: bool) -> None:
+        self.reached = reached
+
+    def query(self) -> bool:
+        return self.reached
+
+
+class _ScriptedBackend(SyncBackend):
+    """The synchronous backend posing as an asynchronous one whose device has reached
+    the ``n``-th mark taken iff ``reached(n)``: the late placement of the first call's
+    saves (Note [release order], 1(c)) decided on the CPU."""
+
+    is_async = True
+
+    def __init__(self, device: torch.device, reached: Callable[[int], bool]) -> None:
+        super().__init__(device)
+        self.reached = reached
+        self.marks = 0
+
+    def mark_ready(self) -> _Mark:
+        self.marks += 1
+        return _Mark(self.reached(self.marks))
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "reached", "placed_at"),
+    [
+        (8, 1, lambda m: True, LATE_CALLS),  # the device keeps up: placed at the limit
+        (8, 1, lambda m: m == 1, 2),  # short of the mark taken at the open of call 1
+        (3, 1, lambda m: True, 1),  # released at call 2: placed a call before
+        (8, 2, lambda m: True, None),  # the next call is offloaded: placed at the close
+    ],
+)
+def test_first_layer_placed_once_the_host_is_a_call_ahead(
+    n: int, k: int, reached: Callable[[int], bool], placed_at: int | None
+) -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n))
+    ref = models.twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=k, min_tensor_bytes=0)
+    backend = _ScriptedBackend(torch.device("cpu"), reached)
+    off._runtime._backends[torch.device("cpu")] = backend
+    for it in range(2):
+        backend.marks = 0
+        x = torch.randn(4, 32) + it
+        got = models.step(layers, x, models.run_plain, off)
+        models.assert_same(got, models.step(ref, x, models.run_plain))
+        assert off._last.placed_late_at == placed_at
+        assert off.stats.layers[0].bytes_offloaded > 0
     off.close()

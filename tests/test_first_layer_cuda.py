@@ -77,3 +77,35 @@ def test_first_layer_copy_starts_before_the_layer_ends() -> None:
     # the 64 MiB copy started while the long kernel queued after its save ran: its
     # mark was taken at the save, not at the layer's close (after the kernel)
     assert sleep_ms > 5.0 and first_copy_ms < sleep_ms / 2, (first_copy_ms, sleep_ms)
+
+
+def test_first_layer_placed_once_the_host_is_a_call_ahead() -> None:
+    # Note [release order], 1(c): with the next call not offloaded, the first call's
+    # saves wait past its close until the host is a call ahead of the device. Layer 1
+    # starts with a long kernel after the mark taken at its open: at the open of call 2
+    # the device has passed that mark (a new one is taken), at the open of call 3 it is
+    # still in the long kernel, short of call 2's mark: call 3 places them.
+    torch.manual_seed(0)
+    layers = nn.ModuleList(SlowProducer(before=LONG if i == 1 else 0) for i in range(6)).to(DEV)
+    ref = twin(layers)
+    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+    for it in range(2):
+        x = torch.randn(1, 256, 256, device=DEV) + it
+        torch.cuda.synchronize()  # as a model that checks its mask on the host does
+        got = models.step(layers, x, models.run_plain, off)
+        assert_same(got, models.step(ref, x, models.run_plain))
+        step = off._last
+        assert step.placed_late_at == 3, step.placed_late_at
+        assert off.stats.layers[0].bytes_offloaded >= 64 << 20
+        assert off.stats.layers[0].bytes_released >= 64 << 20
+    off.close()
+
+
+def test_first_layer_placed_at_its_close_when_the_next_call_is_offloaded() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(SlowProducer() for _ in range(4)).to(DEV)
+    off = offload.ActivationOffloader(layers, offload_layers=2, min_tensor_bytes=0)
+    models.step(layers, torch.randn(1, 256, 256, device=DEV), models.run_plain, off)
+    assert off._last.placed_late_at is None
+    assert off.stats.layers[0].bytes_offloaded >= 64 << 20
+    off.close()

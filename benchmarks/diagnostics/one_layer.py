@@ -21,6 +21,10 @@ bytes offloaded per step, and the offloaded step's activation peak against no
 offloading's (``torch.cuda.max_memory_allocated`` during one step, less the memory
 allocated before it).
 
+``--phases N``: N more steps of each, split at the context entry and at the loss: the
+device ms of each part (CUDA events) and the host's ms for the same part; a part whose
+host time exceeds its device time is paced by the host.
+
 ``--trace 4096,8192``: at those lengths, one more step of each under ``torch.profiler``,
 read as ``trace_plan.py`` reads a plan's step: device ms, the compute stream's busy and
 idle time and its largest idle gaps (with the host-to-device copies running in them), the
@@ -30,8 +34,10 @@ copy streams' busy time, and host runtime calls over 100 us: where one layer's c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +49,42 @@ from benchmarks._common import environment, hf_step, llama_1b_config, write_json
 
 def step(model: Any, ids: torch.Tensor, off: Any) -> float:
     return hf_step(model, ids, off)[1]
+
+
+PHASES = ("enter", "forward", "backward")
+
+
+def phased_step(model: Any, ids: torch.Tensor, off: Any) -> dict[str, float]:
+    """One step as ``hf_step`` times it, split at the context entry and the loss: device
+    ms between CUDA events recorded at each point, and the host's ms between the same
+    points (no synchronisation inside the step: the host runs ahead where it can)."""
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    host = [time.perf_counter()]
+    marks[0].record()
+    with off if off is not None else contextlib.nullcontext():
+        marks[1].record()
+        host.append(time.perf_counter())
+        loss = model(input_ids=ids, labels=ids).loss
+        marks[2].record()
+        host.append(time.perf_counter())
+    loss.backward()
+    marks[3].record()
+    host.append(time.perf_counter())
+    marks[3].synchronize()
+    out = {"step": marks[0].elapsed_time(marks[3])}
+    for i, name in enumerate(PHASES):
+        out[name] = marks[i].elapsed_time(marks[i + 1])
+        out[f"host_{name}"] = (host[i + 1] - host[i]) * 1e3
+    return out
+
+
+def phases(model: Any, ids: torch.Tensor, off: Any, steps: int) -> dict[str, float]:
+    """Medians over ``steps`` phased steps of each part (see ``phased_step``)."""
+    rows = [phased_step(model, ids, off) for _ in range(steps)]
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 def peak(model: Any, ids: torch.Tensor, off: Any) -> int:
@@ -68,6 +110,12 @@ def measure(model: Any, off: Any, seq: int, args: argparse.Namespace) -> dict[st
         for o, out in order if b % 2 == 0 else order[::-1]:
             out.extend(step(model, ids, o) for _ in range(args.steps))
     sent = off.stats.bytes_offloaded
+    split = None
+    if args.phases:
+        split = {
+            "none": phases(model, ids, None, args.phases),
+            "one": phases(model, ids, off, args.phases),
+        }
     traced = None
     if seq in args.trace:
         from torch.profiler import ProfilerActivity, profile
@@ -91,6 +139,7 @@ def measure(model: Any, off: Any, seq: int, args: argparse.Namespace) -> dict[st
         "peak_none": peak(model, ids, None),
         "peak_one": peak(model, ids, off),
         "trace": traced,
+        "phases": split,
     }
 
 
@@ -100,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=4, help="blocks each way")
     p.add_argument("--steps", type=int, default=2, help="steps per block")
     p.add_argument("--trace", default="", help="lengths (of --lengths) to profile one step at")
+    p.add_argument("--phases", type=int, default=0, help="steps each way timed in parts (0: none)")
     p.add_argument("--out", default=None, help="JSON output file")
     args = p.parse_args(argv)
     try:
@@ -111,8 +161,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if not set(args.trace) <= set(args.lengths):
         p.error(f"--trace {args.trace}: each length must be one of --lengths {args.lengths}")
-    if min(args.lengths) < 1 or args.blocks < 1 or args.steps < 1:
-        p.error("--lengths, --blocks and --steps >= 1")
+    if min(args.lengths) < 1 or args.blocks < 1 or args.steps < 1 or args.phases < 0:
+        p.error("--lengths, --blocks and --steps >= 1, --phases >= 0")
     return args
 
 
@@ -138,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['seq']:6d} {r['none_ms_median']:8.2f} {r['one_ms_median']:8.2f} "
             f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['bytes_offloaded'] / 2**20:9.1f}"
         )
+        for name, ph in (r["phases"] or {}).items():
+            print(
+                f"{'':6s} {name}: "
+                + ", ".join(f"{k} {ph[k]:.2f} (host {ph['host_' + k]:.2f})" for k in PHASES)
+                + " ms"
+            )
         for name, t in (r["trace"] or {}).items():
             print(
                 f"{'':6s} {name}: device {t['device_ms']:.1f} ms, compute busy "
