@@ -185,19 +185,13 @@ class Saves:
             return handle
         return self._place(t, group)
 
-    def _place_deferred(self, group: Group, limit: int | None = None) -> None:
+    def _place_deferred(self, group: Group) -> None:
         """Place the saves of ``group`` held back at save time (Note [release order],
-        1(c); lock held), the first ``limit`` of them (default: all). Each is placed as
-        it would have been then: with its version at save time, and its copy ordered
-        after the mark taken then."""
-        items = group.deferred
-        assert items is not None
-        if limit is None or limit >= len(items):
-            group.deferred = None
-        else:
-            items, group.deferred = items[:limit], items[limit:]
+        1(c); lock held). Each is placed as it would have been then: with its version
+        at save time, and its copy ordered after the mark taken then."""
+        items, group.deferred = group.deferred, None
         try:
-            for handle, t, ready in items:
+            for handle, t, ready in items:  # type: ignore[union-attr]
                 version = handle.inner.version  # type: ignore[union-attr]
                 self.d2h_ready = ready
                 inner = self._place(t, group, version)
@@ -533,13 +527,13 @@ class Saves:
             return dtype if dtype in _compress.HALF else None
         return dtype if flt(t) else None
 
-    def _flush_d2h(self, group: Group | None, seal: bool = True, limit: int | None = None) -> None:
+    def _flush_d2h(self, group: Group | None, seal: bool = True) -> None:
         """Issue the queued D2H copies, those of the open buckets first unless ``seal``
         is false (lock held). Sealing also places ``group``'s held-back saves first
-        (Note [release order], 1(c)): the first ``limit`` of them (default: all)."""
+        (Note [release order], 1(c))."""
         if seal:
             if group is not None and group.deferred is not None:
-                self._place_deferred(group, limit)
+                self._place_deferred(group)
             if self.buckets:
                 for bucket in list(self.buckets.values()):
                     self._seal(bucket)

@@ -29,13 +29,12 @@ Forward, group g (the call of layer g), offloaded:
 1(c). *First layer call.* Group 0 places its saves after its kernels are queued: the
    device starts the step idle, so host time spent placing before them is device time
    lost. At its close when the next call is offloaded too (the copies keep their order);
-   otherwise ``LATE_SAVES`` at the start of each later call, the rest at once when the
-   device is found short of the previous call's start (the host is then a call ahead:
-   a model that synchronises before its layers, as Hugging Face's mask check does,
-   gives it no lead at first), and at the latest at ``LATE_CALLS`` calls, a call before
-   its release, at an offloaded call or at the forward's end. A large save takes a
-   ready mark at save time, so its copy still waits only for its producer (a). Nothing
-   is released before the placement.
+   otherwise at the start of the first later call that finds the device still short of
+   the previous call's start (the host is then a call ahead: a model that synchronises
+   before its layers, as Hugging Face's mask check does, gives it no lead at first),
+   and at the latest before ``LATE_CALLS`` calls, its release, an offloaded call or the
+   forward's end. A large save takes a ready mark at save time, so its copy still waits
+   only for its producer (a). Nothing is released before the placement.
 2. *Close.* An event recorded on the D2H stream covers every copy of the group.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g the j-th of the
    k offloaded groups; ``r == L`` only for the last call planned, released at its own
@@ -103,14 +102,11 @@ from offload._saves import Saves, _Bucket, _nbytes
 from offload._transfer import HostCopy
 from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
 
-__all__ = ["LATE_CALLS", "LATE_SAVES", "Step"]
+__all__ = ["LATE_CALLS", "Step"]
 
 #: Most calls that the first call's placement waits for the host to get ahead (Note
 #: [release order], 1(c)): its copies must still land before its release.
-LATE_CALLS = 6
-#: Saves of the first call placed at each later call's open until then: a share of the
-#: placement's host time that a call's kernels can hide.
-LATE_SAVES = 8
+LATE_CALLS = 4
 
 _tensors_in = _packing.tensors_requiring_grad
 
@@ -321,9 +317,8 @@ class Step(Saves, GroupLife):
     def _place_late_or_wait(self, index: int) -> None:
         """At the open of call ``index``: place the late group's saves when the device is
         still short of the mark taken at the last call's open (the host is a call
-        ahead) or when waiting longer would delay their copies past a limit, else place
-        the next ``LATE_SAVES`` of them and take a new mark (Note [release order], 1(c);
-        lock held)."""
+        ahead) or when waiting longer would delay their copies past a limit, else take
+        a new mark (Note [release order], 1(c); lock held)."""
         late = self.late
         assert late is not None and late.deferred
         plan = self.plan
@@ -338,12 +333,7 @@ class Step(Saves, GroupLife):
         if due or (index > late.index + 1 and not self.late_mark.query()):
             self._place_late(index)
             return
-        device = late.deferred[0][1].device
-        self._flush_d2h(late, limit=LATE_SAVES)  # a piece: host time the device may hide
-        if late.deferred is None:
-            self._place_late(index)  # nothing left: record the group's D2H event
-            return
-        self.late_mark = self.rt.backend(device).mark_ready()
+        self.late_mark = self.rt.backend(late.deferred[0][1].device).mark_ready()
 
     def _place_late(self, index: int) -> None:
         """Place the late group's saves and issue their copies, at the open of call

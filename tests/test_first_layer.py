@@ -14,7 +14,7 @@ from torch import nn
 import offload
 from offload._device import SyncBackend
 from offload._handles import Kept, Offloaded, Pending
-from offload._step import LATE_CALLS, LATE_SAVES
+from offload._step import LATE_CALLS
 
 from . import models
 
@@ -243,35 +243,20 @@ class _ScriptedBackend(SyncBackend):
         return _Mark(self.reached(self.marks))
 
 
-class _Chain(nn.Module):
-    """A layer that saves ``2 * LATE_SAVES + 4`` tensors (each sin its input): placed in
-    three pieces when the device keeps up."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.fc(x)
-        for _ in range(2 * LATE_SAVES + 3):
-            x = torch.sin(x)
-        return x
-
-
 @pytest.mark.parametrize(
     ("n", "k", "reached", "placed_at"),
     [
-        (12, 1, lambda m: True, 3),  # the device keeps up: a piece per call
-        (12, 1, lambda m: m == 1, 2),  # short of the mark taken at the open of call 1
-        (3, 1, lambda m: True, 1),  # released at call 2: all placed a call before
-        (12, 2, lambda m: True, None),  # the next call is offloaded: placed at the close
+        (8, 1, lambda m: True, LATE_CALLS),  # the device keeps up: placed at the limit
+        (8, 1, lambda m: m == 1, 2),  # short of the mark taken at the open of call 1
+        (3, 1, lambda m: True, 1),  # released at call 2: placed a call before
+        (8, 2, lambda m: True, None),  # the next call is offloaded: placed at the close
     ],
 )
 def test_first_layer_placed_once_the_host_is_a_call_ahead(
     n: int, k: int, reached: Callable[[int], bool], placed_at: int | None
 ) -> None:
     torch.manual_seed(0)
-    layers = nn.ModuleList(_Chain() for _ in range(n))
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n))
     ref = models.twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers=k, min_tensor_bytes=0)
     backend = _ScriptedBackend(torch.device("cpu"), reached)
@@ -283,24 +268,4 @@ def test_first_layer_placed_once_the_host_is_a_call_ahead(
         models.assert_same(got, models.step(ref, x, models.run_plain))
         assert off._last.placed_late_at == placed_at
         assert off.stats.layers[0].bytes_offloaded > 0
-    off.close()
-
-
-def test_first_layer_placed_by_the_late_limit() -> None:
-    # a layer that saves more than LATE_CALLS pieces: the rest at once at LATE_CALLS
-    class Long(_Chain):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(LATE_SAVES * (LATE_CALLS + 2)):
-                x = torch.sin(x)
-            return self.fc(x)
-
-    torch.manual_seed(0)
-    layers = nn.ModuleList(Long() for _ in range(LATE_CALLS + 4))
-    ref = models.twin(layers)
-    off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
-    off._runtime._backends[torch.device("cpu")] = _ScriptedBackend(torch.device("cpu"), bool)
-    x = torch.randn(4, 32)
-    got = models.step(layers, x, models.run_plain, off)
-    models.assert_same(got, models.step(ref, x, models.run_plain))
-    assert off._last.placed_late_at == LATE_CALLS
     off.close()

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import offload
-from offload._step import LATE_SAVES
 from tests import models
 from tests.models import ON_CUDA_DETERMINISTIC, assert_same, twin
 
@@ -80,24 +79,14 @@ def test_first_layer_copy_starts_before_the_layer_ends() -> None:
     assert sleep_ms > 5.0 and first_copy_ms < sleep_ms / 2, (first_copy_ms, sleep_ms)
 
 
-class ManySaves(SlowProducer):
-    """A SlowProducer whose forward also saves ``2 * LATE_SAVES + 3`` small tensors."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x[:, :1]
-        for _ in range(2 * LATE_SAVES + 3):
-            s = torch.sin(s)
-        return super().forward(x + s.mean())
-
-
 def test_first_layer_placed_once_the_host_is_a_call_ahead() -> None:
     # Note [release order], 1(c): with the next call not offloaded, the first call's
-    # saves are placed a piece per call until the host is a call ahead of the device.
-    # Call 1 starts with a long kernel after the mark taken at its open: at the open of
-    # call 2 the device has passed that mark (a second piece, a new mark), at the open of
-    # call 3 it is still in the long kernel, short of call 2's mark: the rest at once.
+    # saves wait past its close until the host is a call ahead of the device. Layer 1
+    # starts with a long kernel after the mark taken at its open: at the open of call 2
+    # the device has passed that mark (a new one is taken), at the open of call 3 it is
+    # still in the long kernel, short of call 2's mark: call 3 places them.
     torch.manual_seed(0)
-    layers = nn.ModuleList(ManySaves(before=LONG if i == 1 else 0) for i in range(8)).to(DEV)
+    layers = nn.ModuleList(SlowProducer(before=LONG if i == 1 else 0) for i in range(6)).to(DEV)
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
     for it in range(2):
@@ -105,7 +94,8 @@ def test_first_layer_placed_once_the_host_is_a_call_ahead() -> None:
         torch.cuda.synchronize()  # as a model that checks its mask on the host does
         got = models.step(layers, x, models.run_plain, off)
         assert_same(got, models.step(ref, x, models.run_plain))
-        assert off._last.placed_late_at == 3, off._last.placed_late_at
+        step = off._last
+        assert step.placed_late_at == 3, step.placed_late_at
         assert off.stats.layers[0].bytes_offloaded >= 64 << 20
         assert off.stats.layers[0].bytes_released >= 64 << 20
     off.close()
