@@ -207,11 +207,9 @@ class GroupLife:
                 # the copies wait for the stream the layer ran on (4.1(a)), whichever
                 # stream is current where the caller calls start_offload_layer
                 with torch.cuda.stream(stream):
-                    self._flush_d2h(group)
+                    self._issue(group)
             else:
-                self._flush_d2h(group)
-            if group.device_refs and self.backend is not None:
-                group.d2h_done = self.backend.record_d2h()
+                self._issue(group)
             if group.copies and not had_copies and self.forward_done:
                 self.awaiting += 1
                 self.backward_done = False

@@ -548,22 +548,9 @@ class Saves:
             ready = None if transient else self.d2h_ready
             self.backend.d2h(queue, fence, times, transient, ready)  # type: ignore[union-attr]
 
-    def flush_for(self, tensors: list[torch.Tensor]) -> bool:
-        """``offload.start_offload``: issue the queued D2H copies now if one of them
-        reads the storage of one of ``tensors``; returns whether it did."""
-        with self.rt.lock:
-            if self.late is not None:  # a Step (offload/_step.py)
-                self._place_late(len(self.groups))
-            if self.open is not None and self.open.deferred is not None:
-                self._place_deferred(self.open)
-            queue = self.d2h_queue
-            if not queue and not self.buckets:
-                return False
-            keys = {t.untyped_storage()._cdata for t in tensors}
-            sources = [src for src, _, _ in queue]
-            for bucket in self.buckets.values():
-                sources += bucket.sources  # type: ignore[operator]
-            if not any(src.untyped_storage()._cdata in keys for src in sources):
-                return False
-            self._flush_d2h(self.open)
-            return True
+    def _issue(self, group: Group) -> None:
+        """Place ``group``'s held-back saves, issue its copies and record the D2H event
+        that covers them (Note [release order], 1-2; lock held)."""
+        self._flush_d2h(group)
+        if group.device_refs and self.backend is not None:
+            group.d2h_done = self.backend.record_d2h()

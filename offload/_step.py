@@ -283,9 +283,7 @@ class Step(Saves, GroupLife):
             if mark is not None:  # Note [release order], 1(c)
                 self.late, self.late_mark = group, mark
             else:
-                self._flush_d2h(group)
-                if group.device_refs and self.backend is not None:
-                    group.d2h_done = self.backend.record_d2h()
+                self._issue(group)
             if releases:
                 # this layer's graph ends with the layer: join its D2H now (Note
                 # [release order], "CUDA graphs"); or the last call planned (3)
@@ -341,9 +339,27 @@ class Step(Saves, GroupLife):
         group, self.late, self.late_mark = self.late, None, None
         assert group is not None
         self.placed_late_at = index
-        self._flush_d2h(group)
-        if group.device_refs and self.backend is not None:
-            group.d2h_done = self.backend.record_d2h()
+        self._issue(group)
+
+    def flush_for(self, tensors: list[torch.Tensor]) -> bool:
+        """``offload.start_offload``: issue the queued D2H copies now if one of them
+        reads the storage of one of ``tensors``; returns whether it did."""
+        with self.rt.lock:
+            if self.late is not None:
+                self._place_late(len(self.groups))
+            if self.open is not None and self.open.deferred is not None:
+                self._place_deferred(self.open)
+            queue = self.d2h_queue
+            if not queue and not self.buckets:
+                return False
+            keys = {t.untyped_storage()._cdata for t in tensors}
+            sources = [src for src, _, _ in queue]
+            for bucket in self.buckets.values():
+                sources += bucket.sources  # type: ignore[operator]
+            if not any(src.untyped_storage()._cdata in keys for src in sources):
+                return False
+            self._flush_d2h(self.open)
+            return True
 
     def register_trigger(self, index: int, outputs: Any) -> None:
         """Reload the groups due at ``index`` when the gradient of ``outputs`` arrives."""
