@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, levers_of, write_json
+from benchmarks._common import environment, levers_of, time_methods, write_json
 from offload import _compress, _device, _host_pool, _step, activations
 from offload._reference import ReferenceModel
 
@@ -48,32 +47,13 @@ TIMED: list[tuple[Any, list[str]]] = [
 calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
 
-def wrap(owner: Any, name: str) -> None:
-    f = getattr(owner, name)
-    label = f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
-
-    @functools.wraps(f)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return f(*args, **kwargs)
-        finally:
-            entry = calls[label]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - t0
-
-    setattr(owner, name, timed)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default="o.......,oo......,o.Ss....")
     parser.add_argument("--compress", choices=["fp8"], default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    for owner, names in TIMED:
-        for name in names:
-            wrap(owner, name)
+    time_methods(TIMED, calls)
     torch.manual_seed(0)
     model = ReferenceModel(8, 4096, 32, 14336, device="cuda", dtype=torch.bfloat16)
     steps, warmup = 5, 3

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, llama_1b_config, write_json
+from benchmarks._common import environment, llama_1b_config, time_methods, write_json
 from offload import _device, _group, _host_pool, _layer_calls, _saves, _step, activations
 
 #: (owner, method names) wrapped with a timer
-TIMED: list[tuple[type, list[str]]] = [
+TIMED: list[tuple[Any, list[str]]] = [
     (_saves.Saves, ["pack", "_place_deferred", "_place", "_copy", "_flush_d2h", "_queue_d2h"]),
     (_step.Step, ["open_group", "close_group", "register_trigger", "finish_forward"]),
     (_step.Step, ["_backward_started"]),
@@ -62,35 +62,6 @@ CONFIGS = ("none", "one", "nocopy", "big")
 
 def _keep_all(_t: torch.Tensor) -> bool:
     return False
-
-
-def wrap_all(calls: dict[str, list[float]]) -> list[tuple[type, str, Any]]:
-    """Wrap every method of :data:`TIMED` with a timer adding to ``calls[label]``
-    (``[calls, seconds]``); returns what :func:`unwrap_all` restores."""
-    undo = []
-    for owner, names in TIMED:
-        for name in names:
-            f = owner.__dict__[name]
-            label = f"{owner.__name__}.{name}"
-
-            def timed(*a: Any, _f: Any = f, _label: str = label, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    c = calls[_label]
-                    c[0] += 1
-                    c[1] += time.perf_counter() - t0
-
-            functools.update_wrapper(timed, f)
-            undo.append((owner, name, f))
-            setattr(owner, name, timed)
-    return undo
-
-
-def unwrap_all(undo: list[tuple[type, str, Any]]) -> None:
-    for owner, name, f in reversed(undo):
-        setattr(owner, name, f)
 
 
 class Marks:
@@ -172,14 +143,14 @@ def measure(model: Any, layers: Sequence[Any], seq: int, args: argparse.Namespac
             for _ in range(3):
                 for name in CONFIGS:
                     step(model, ids, offs[name], marks)
-            undo = wrap_all(calls)
+            restore = time_methods(TIMED, calls)
             runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
             try:
                 for b in range(args.blocks):
                     for name in CONFIGS if b % 2 == 0 else CONFIGS[::-1]:
                         runs[name].append(step(model, ids, offs[name], marks))
             finally:
-                unwrap_all(undo)
+                restore()
             sent = {n: o.stats.bytes_offloaded for n, o in offs.items() if o is not None}
             sync = None
             if cuda:
