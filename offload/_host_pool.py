@@ -57,11 +57,12 @@ def _next_pow2(n: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("buffer", "size", "starts", "sizes", "used", "typed", "views")
+    __slots__ = ("buffer", "size", "order", "starts", "sizes", "used", "typed", "views")
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, order: int) -> None:
         self.buffer = buffer
         self.size = buffer.numel()
+        self.order = order  # creation order: ties of best fit go to the oldest slab
         #: dtype -> the whole slab viewed as that dtype (made at first use; the size is
         #: a power of two of at least ALIGN bytes, so every itemsize divides it)
         self.typed: dict[torch.dtype, torch.Tensor] = {}
@@ -71,22 +72,6 @@ class _Slab:
         self.starts: list[int] = [0]  # free ranges, sorted by start
         self.sizes: list[int] = [self.size]
         self.used = 0
-
-    def give(self, start: int, nbytes: int) -> None:
-        """Return ``[start, start + nbytes)`` to the free ranges, merged with its
-        neighbours."""
-        starts, sizes = self.starts, self.sizes
-        i = bisect.bisect_left(starts, start)
-        # merge with the following range, then with the preceding one
-        if i < len(starts) and start + nbytes == starts[i]:
-            nbytes += sizes[i]
-            del starts[i]
-            del sizes[i]
-        if i > 0 and starts[i - 1] + sizes[i - 1] == start:
-            sizes[i - 1] += nbytes
-        else:
-            starts.insert(i, start)
-            sizes.insert(i, nbytes)
 
 
 class HostBlock:
@@ -162,6 +147,12 @@ class HostPool:
         self.retain = retain
         self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
         self._slabs: list[_Slab] = []
+        #: every free range of every slab as ``(size, slab order, start)``, sorted: the
+        #: best fit is one bisection away (a scan of every slab cost tens of
+        #: microseconds per saved tensor with many slabs)
+        self._free: list[tuple[int, int, int]] = []
+        self._by_order: dict[int, _Slab] = {}
+        self._made = 0
         self._lock = threading.Lock()
         self.reserved_bytes = 0
         self.in_use_bytes = 0
@@ -173,37 +164,57 @@ class HostPool:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
         nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN  # ALIGN is a power of two
         with self._lock:
-            # best fit over every slab, then the block is cut from the front of the range
-            # found (one function: the activation offloader calls this for every saved
-            # tensor)
-            best_slab = None
-            best_index = best_size = 0
-            for slab in self._slabs:
-                for i, size in enumerate(slab.sizes):
-                    if size >= nbytes and (best_slab is None or size < best_size):
-                        best_slab, best_index, best_size = slab, i, size
-                        if size == nbytes:
-                            break
-                if best_size == nbytes and best_slab is not None:
-                    break
-            if best_slab is None:
-                best_slab = self._grow(nbytes)
-                if best_slab is None:
-                    return None
-                best_index, best_size = 0, best_slab.size
-            starts = best_slab.starts
-            start = starts[best_index]
-            if best_size == nbytes:
-                del starts[best_index]
-                del best_slab.sizes[best_index]
+            # best fit: the smallest free range that holds the request (the oldest slab's,
+            # the lowest start, on ties); the block is cut from its front
+            free = self._free
+            i = bisect.bisect_left(free, (nbytes, -1, -1))
+            if i < len(free):
+                size, order, start = free.pop(i)
+                slab = self._by_order[order]
             else:
-                starts[best_index] = start + nbytes
-                best_slab.sizes[best_index] = best_size - nbytes
-            best_slab.used += nbytes
+                grown = self._grow(nbytes)
+                if grown is None:
+                    return None
+                slab, size, start = grown, grown.size, 0
+                free.remove((size, slab.order, 0))
+            starts, sizes = slab.starts, slab.sizes
+            j = bisect.bisect_left(starts, start)
+            if size == nbytes:
+                del starts[j]
+                del sizes[j]
+            else:
+                starts[j] = start + nbytes
+                sizes[j] = size - nbytes
+                bisect.insort(free, (size - nbytes, slab.order, start + nbytes))
+            slab.used += nbytes
             in_use = self.in_use_bytes = self.in_use_bytes + nbytes
             if in_use > self.peak_bytes:
                 self.peak_bytes = in_use
-            return HostBlock(best_slab, start, nbytes, length)
+            return HostBlock(slab, start, nbytes, length)
+
+    def _give(self, slab: _Slab, start: int, nbytes: int) -> None:
+        """Return ``[start, start + nbytes)`` of ``slab`` to the free ranges, merged with
+        its neighbours (lock held)."""
+        starts, sizes, order = slab.starts, slab.sizes, slab.order
+        # a slab dropped by close() keeps its own lists only
+        free: list[tuple[int, int, int]] = self._free if self._by_order.get(order) is slab else []
+        i = bisect.bisect_left(starts, start)
+        # merge with the following range, then with the preceding one
+        if i < len(starts) and start + nbytes == starts[i]:
+            if free is self._free:
+                free.remove((sizes[i], order, starts[i]))
+            nbytes += sizes[i]
+            del starts[i]
+            del sizes[i]
+        if i > 0 and starts[i - 1] + sizes[i - 1] == start:
+            if free is self._free:
+                free.remove((sizes[i - 1], order, starts[i - 1]))
+            sizes[i - 1] += nbytes
+            bisect.insort(free, (sizes[i - 1], order, starts[i - 1]))
+        else:
+            starts.insert(i, start)
+            sizes.insert(i, nbytes)
+            bisect.insort(free, (nbytes, order, start))
 
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
@@ -215,6 +226,8 @@ class HostPool:
             if not self.retain:
                 for slab in [s for s in self._slabs if s.used == 0]:
                     self._slabs.remove(slab)
+                    del self._by_order[slab.order]
+                    self._free.remove((slab.size, slab.order, 0))
                     self.reserved_bytes -= slab.size
             if self.reserved_bytes + size > self.limit:
                 size = _next_pow2(nbytes)
@@ -225,8 +238,11 @@ class HostPool:
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError:  # the system refused the memory: behave as over budget
             return None
-        slab = _Slab(buffer)
+        slab = _Slab(buffer, self._made)
+        self._made += 1
         self._slabs.append(slab)
+        self._by_order[slab.order] = slab
+        bisect.insort(self._free, (size, slab.order, 0))
         self.reserved_bytes += size
         return slab
 
@@ -240,17 +256,21 @@ class HostPool:
         with self._lock:
             if extra > 0:
                 slab: _Slab = block.slab  # type: ignore[assignment]
+                if self._by_order.get(slab.order) is not slab:  # dropped by close()
+                    return False
                 end = block.start + block.nbytes
                 starts, sizes = slab.starts, slab.sizes
                 i = bisect.bisect_left(starts, end)
                 if i == len(starts) or starts[i] != end or sizes[i] < extra:
                     return False
+                self._free.remove((sizes[i], slab.order, end))
                 if sizes[i] == extra:
                     del starts[i]
                     del sizes[i]
                 else:
                     starts[i] = end + extra
                     sizes[i] -= extra
+                    bisect.insort(self._free, (sizes[i], slab.order, end + extra))
                 slab.used += extra
                 in_use = self.in_use_bytes = self.in_use_bytes + extra
                 if in_use > self.peak_bytes:
@@ -269,7 +289,7 @@ class HostPool:
         with self._lock:
             if tail > 0:
                 slab: _Slab = block.slab  # type: ignore[assignment]
-                slab.give(block.start + nbytes, tail)
+                self._give(slab, block.start + nbytes, tail)
                 slab.used -= tail
                 self.in_use_bytes -= tail
                 block.nbytes = nbytes
@@ -281,7 +301,7 @@ class HostPool:
         nbytes = block.nbytes
         with self._lock:
             slab: _Slab = block.slab  # type: ignore[assignment]
-            slab.give(block.start, nbytes)
+            self._give(slab, block.start, nbytes)
             slab.used -= nbytes
             self.in_use_bytes -= nbytes
             block.slab = None
@@ -291,6 +311,8 @@ class HostPool:
         """Drop every slab. Blocks still handed out keep their own slab alive."""
         with self._lock:
             self._slabs.clear()
+            self._free.clear()
+            self._by_order.clear()
             self.reserved_bytes = 0
         if self.pin and torch.cuda.is_available():
             empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)

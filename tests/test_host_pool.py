@@ -117,3 +117,62 @@ def test_extend_grows_in_place_only_into_free_bytes_and_trim_gives_back() -> Non
     assert pool.in_use_bytes == 0
     for slab in pool._slabs:
         assert slab.starts == [0] and slab.sizes == [slab.size]
+
+
+def _scan_best_fit(pool: HostPool, length: int) -> tuple[int, int] | None:
+    """The best fit by a scan of every slab in creation order (the first smallest range
+    that holds the request): ``(slab order, start)``, ``None`` when none holds it."""
+    nbytes = (length + ALIGN - 1) & -ALIGN or ALIGN
+    best = None
+    for slab in pool._slabs:
+        for start, size in zip(slab.starts, slab.sizes):
+            if size >= nbytes and (best is None or size < best[0]):
+                best = (size, slab.order, start)
+    return None if best is None else best[1:]
+
+
+def _check_index(pool: HostPool) -> None:
+    want = sorted((z, s.order, a) for s in pool._slabs for a, z in zip(s.starts, s.sizes))
+    assert pool._free == want
+    for slab in pool._slabs:
+        assert slab.starts == sorted(slab.starts)
+        ends = [a + z for a, z in zip(slab.starts, slab.sizes)]
+        assert all(e < a for e, a in zip(ends, slab.starts[1:]))  # merged, disjoint
+
+
+def test_sorted_index_gives_the_best_fit_of_a_scan() -> None:
+    # Random allocations, frees, extensions and trims across several slabs: every block
+    # is the one a scan of every slab would choose, and the index always equals the
+    # slabs' free ranges.
+    rng = random.Random(0)
+    pool = HostPool(limit=64 << 20, pin=False, min_slab=1 << 20)
+    live: list = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.5 or not live:
+            length = rng.choice([rng.randint(1, 4096), rng.randint(1, 300_000)])
+            expected = _scan_best_fit(pool, length)
+            block = pool.allocate(length)
+            if block is None:
+                continue
+            if expected is not None:
+                assert (block.slab.order, block.start) == expected
+            else:
+                assert block.start == 0 and block.slab is pool._slabs[-1]
+            live.append(block)
+        elif op < 0.8:
+            pool.free(live.pop(rng.randrange(len(live))))
+        elif op < 0.9:
+            block = rng.choice(live)
+            pool.extend(block, block.length + rng.randint(1, 8192))
+        else:
+            block = rng.choice(live)
+            pool.trim(block, rng.randint(1, block.length))
+        _check_index(pool)
+        assert pool.in_use_bytes == sum(b.nbytes for b in live)
+    for block in live:
+        pool.free(block)
+    _check_index(pool)
+    assert pool.in_use_bytes == 0
+    for slab in pool._slabs:
+        assert slab.starts == [0] and slab.sizes == [slab.size]
