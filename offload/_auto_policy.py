@@ -100,6 +100,11 @@ _NO_ACCELERATOR = {
 }
 
 
+def _roomy(mem: Memory | None) -> bool:
+    """Whether a step without offloading is predicted far inside the memory limit."""
+    return mem is None or (mem.floor == 0 and mem.none_peak <= CALIBRATE_ROOM * mem.limit)
+
+
 def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
     costs = [
         dataclasses.replace(
@@ -197,12 +202,17 @@ class AutoPolicy:
         else:
             run = self._next_run(fam, decision, mem)
         k = 0 if run is Run.NONE else chosen
+        # measured again at the step's own plan (never a verifying step's)
+        probe = not step.capture and fam.reprobe and not fam.probing and k == chosen
+        if probe and _roomy(mem) and all(p.cold for p in fam.model.points):
+            # the choice comes from the first step's costs, which its one-time work
+            # inflates (copies look hidden): measured warm with one layer offloaded,
+            # where memory leaves room (the cold step's memory reading is the least sure)
+            k = min(k, 1)
         L = fam.model.num_groups
         calls = off._calls if len(off._calls) == L else [None] * L
         step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers)
         fam.last_run = run
-        # measured again at the step's own plan (never a verifying step's)
-        probe = not step.capture and fam.reprobe and not fam.probing and k == chosen
         # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
         fam.tick += 1
         watched = not step.capture and (
@@ -404,8 +414,7 @@ class AutoPolicy:
             return Run.NONE  # nothing offloaded: a step without offloading
         if fam.calibrate:
             # only far from the memory limit: the cold step's memory is the least sure
-            roomy = mem is None or (mem.floor == 0 and mem.none_peak <= CALIBRATE_ROOM * mem.limit)
-            if decision.memory_reason is None and roomy:
+            if decision.memory_reason is None and _roomy(mem):
                 return Run.NONE  # scales the cold measurement (``_measured``)
             fam.calibrate = False
         if fam.phase is not Phase.VERIFY:

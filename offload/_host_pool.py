@@ -9,6 +9,13 @@ whose shapes differ from the last one reuses the same slabs instead of growing t
 pool: after every step all blocks return, the free lists collapse to whole slabs, and
 the next step fits in them unless it needs more bytes at once than any earlier one.
 
+Slabs grow with the pool (``ahead``): a new slab holds at least a quarter of what is
+reserved, up to :data:`MAX_AHEAD_SLAB`. Without that, the first steps' tensors set the
+slab size, and a later step whose tensors are larger (a longer sequence) finds no free
+range to hold them in slabs that are mostly empty: it pins new memory in the middle of
+its forward, which costs far more than the step (pinning runs at a few GB/s). With it,
+most bytes sit in large slabs, at most about a quarter more than ever needed at once.
+
 The budget (``limit``) bounds the bytes reserved. A request that does not fit is
 refused (``allocate`` returns ``None``); the caller keeps the tensor on the device.
 """
@@ -24,6 +31,7 @@ import torch
 
 __all__ = [
     "ALIGN",
+    "MAX_AHEAD_SLAB",
     "MAX_CACHED_VIEWS",
     "MIN_SLAB_BYTES",
     "HostBlock",
@@ -35,6 +43,8 @@ __all__ = [
 ALIGN = 512
 #: Smallest slab the pool asks for.
 MIN_SLAB_BYTES = 64 << 20
+#: Largest slab asked for ahead of a request (module docstring).
+MAX_AHEAD_SLAB = 1 << 30
 #: Most typed views a slab caches (:meth:`HostBlock.typed`); the cache is emptied when
 #: full (shapes that change every step would otherwise grow it without end).
 MAX_CACHED_VIEWS = 8192
@@ -134,17 +144,26 @@ class HostPool:
             stay valid across steps, e.g. for CUDA graphs; a request that only fits by
             returning empty slabs is refused instead). Default ``False``: when over
             budget, empty slabs too small for a request are returned first.
+        ahead: a new slab holds at least a quarter of the bytes reserved (up to
+            :data:`MAX_AHEAD_SLAB`; module docstring). Default ``True``; the weight
+            offloader, which knows its bytes up front, passes ``False``.
 
     Invariants: ``in_use_bytes <= reserved_bytes <= limit``; a block is handed out to one
     owner at a time; ``close()`` returns every slab to the system.
     """
 
     def __init__(
-        self, limit: int | None, pin: bool, min_slab: int | None = None, retain: bool = False
+        self,
+        limit: int | None,
+        pin: bool,
+        min_slab: int | None = None,
+        retain: bool = False,
+        ahead: bool = True,
     ) -> None:
         self.limit = default_host_limit() if limit is None else int(limit)
         self.pin = pin
         self.retain = retain
+        self.ahead = ahead
         self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
         self._slabs: list[_Slab] = []
         #: every free range of every slab as ``(size, slab order, start)``, sorted: the
@@ -219,6 +238,8 @@ class HostPool:
     def _grow(self, nbytes: int) -> _Slab | None:
         floor = MIN_SLAB_BYTES if self.min_slab is None else self.min_slab
         size = max(floor, _next_pow2(nbytes))
+        if self.ahead:  # a power of two in [reserved / 4, reserved / 2)
+            size = max(size, min(MAX_AHEAD_SLAB, _next_pow2(self.reserved_bytes + 1) // 4))
         if self.reserved_bytes + size > self.limit:
             # Empty slabs that are too small for this request are worth less than one
             # that fits: return them first (never with ``retain``: host addresses must

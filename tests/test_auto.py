@@ -127,7 +127,10 @@ def test_auto_measures_then_offloads_and_stays_bitwise_equal(fwd_ms, link_ms) ->
         expected = choose(true, meter.bps, meter.bps, 0.03).offloaded
         assert auto["chosen"] == expected, (it, auto)
         assert chosen == auto["offloaded"]
-        assert chosen in (expected, [])  # [] only in a verifying step without offloading
+        # [] only in a verifying step without offloading; the step that measures again
+        # after the cold first step offloads one layer (offload/_auto_policy.py)
+        cold_probe = auto["step"] == "probe" and auto["cold"]
+        assert chosen in (expected, []) or (cold_probe and chosen == expected[:1]), auto
         assert (chosen == []) == (auto["step"] == "none" or not expected)
         assert (off.stats.bytes_offloaded > 0) == bool(chosen)
     assert expected is not None

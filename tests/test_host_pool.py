@@ -176,3 +176,29 @@ def test_sorted_index_gives_the_best_fit_of_a_scan() -> None:
     assert pool.in_use_bytes == 0
     for slab in pool._slabs:
         assert slab.starts == [0] and slab.sizes == [slab.size]
+
+
+def test_slabs_grow_with_the_pool_so_larger_tensors_fit_later() -> None:
+    """Many tensors of one size, then one several times larger (a longer sequence):
+    it fits in the slabs already reserved (module docstring of offload/_host_pool.py),
+    and the pool holds at most about a quarter more than it ever needed."""
+    mib = 1 << 20
+    pool = HostPool(limit=1 << 40, pin=False)
+    blocks = [pool.allocate(40 * mib) for _ in range(40)]
+    needed = pool.in_use_bytes
+    assert pool.reserved_bytes <= 1.5 * needed + MIN_SLAB_BYTES
+    sizes = sorted(s.size for s in pool._slabs)
+    assert sizes[-1] >= 8 * MIN_SLAB_BYTES  # larger slabs as the pool grows
+    for b in blocks:
+        pool.free(b)
+    reserved = pool.reserved_bytes
+    big = pool.allocate(300 * mib)
+    assert big is not None and pool.reserved_bytes == reserved  # no new slab
+    pool.free(big)
+    # the old rule (every slab sized by its first request) would have grown here
+    flat = HostPool(limit=1 << 40, pin=False, ahead=False)
+    for b in [flat.allocate(40 * mib) for _ in range(40)]:
+        flat.free(b)
+    reserved = flat.reserved_bytes
+    flat.free(flat.allocate(300 * mib))
+    assert flat.reserved_bytes > reserved

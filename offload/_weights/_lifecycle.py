@@ -52,7 +52,9 @@ def populate(layers: _Layers, hooks: _Hooks, modules: Sequence[nn.Module]) -> No
     check_shared(layers, found)
     _start(layers, found[0].device)  # type: ignore[arg-type]
     total = sum(n for layer in found for _st, n, _ps in layer.stores.values())
-    layers.pool = HostPool(NO_LIMIT, layers.pin_memory, min(_MAX_SLAB, _next_pow2(max(total, 1))))
+    layers.pool = HostPool(
+        NO_LIMIT, layers.pin_memory, min(_MAX_SLAB, _next_pow2(max(total, 1))), ahead=False
+    )
     blocks = allocate_blocks(layers.pool, found, layers.pin_memory)
     for layer in found:
         hooks.register(_install(layers, layer, blocks, running=False), module_hooks=True)
@@ -117,7 +119,7 @@ def adopt(layers: _Layers, hooks: _Hooks, module: nn.Module) -> _WeightSlot | No
         check_shared(layers, [layer])
         _start(layers, layer.device)  # type: ignore[arg-type]
         if layers.pool is None:
-            layers.pool = HostPool(NO_LIMIT, layers.pin_memory, _MAX_SLAB)
+            layers.pool = HostPool(NO_LIMIT, layers.pin_memory, _MAX_SLAB, ahead=False)
         blocks = allocate_blocks(layers.pool, [layer], layers.pin_memory)
         slot = _install(layers, layer, blocks, running=True)
         hooks.register(slot, module_hooks=False)
