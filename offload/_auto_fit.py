@@ -40,6 +40,7 @@ __all__ = [
     "point_values",
     "sizes",
     "steady",
+    "warm_up",
 ]
 
 #: Sizes measured and kept per kind of input.
@@ -196,6 +197,14 @@ class ShapeModel:
                 coef = torch.where(better.unsqueeze(0), full, coef)
         self._coef = coef
         return coef
+
+
+def warm_up() -> None:
+    """One tiny fit: the first least-squares solve of a process initialises the linear
+    algebra library (tens of milliseconds on some hosts), which the measuring step pays
+    so that the first decision's step does not."""
+    one = torch.ones(1, 1, dtype=torch.float64)
+    torch.linalg.lstsq(one, one)
 
 
 def point_values(

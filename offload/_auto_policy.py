@@ -56,8 +56,8 @@ from offload._auto_family import (
     Sized,
     StepRecord,
 )
-from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes, steady
-from offload._auto_probe import DeviceMemory, Meter, Probe, StepWatch, meter_for
+from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes, steady, warm_up
+from offload._auto_probe import DeviceMemory, Meter, Probe, ProbeResult, StepWatch, meter_for
 from offload._plan import plan_forward
 
 __all__ = [
@@ -98,6 +98,15 @@ _NO_ACCELERATOR = {
     "reason": "no accelerator: there is no overlap to measure and no device memory to "
     "save; 'auto' selects like 'all' (every call but the last)"
 }
+
+
+def _predicted_bytes(m: ProbeResult, est: Estimate) -> None:
+    """A measurement without counts: the bytes of its calls not offloaded from the
+    prediction at its size (they scale with the tokens, as the fit models them)."""
+    for i, offloaded in enumerate(m.offloaded):
+        if not offloaded:
+            c = est.costs[i]
+            m.link_bytes[i], m.freed_bytes[i], m.copies[i] = c.nbytes, int(est.freed[i]), c.copies
 
 
 def _roomy(mem: Memory | None) -> bool:
@@ -277,6 +286,11 @@ class AutoPolicy:
                 "state": self.state_size(),
             }
             return
+        # the link is probed and the fit warmed now, in the step that pays one-time
+        # costs anyway (pinned memory, kernel selection), not in the first decision's
+        # step (the link's figures are cached per device)
+        meter.link(device)
+        warm_up()
         record = StepRecord(
             family=fam,
             tokens=tokens,
@@ -314,11 +328,19 @@ class AutoPolicy:
         probe: bool,
         memory: bool = True,
     ) -> None:
-        watch = (Probe if probe else StepWatch)(meter, device, record, memory or probe)
+        fam = record.family
+        if probe:
+            # the first measurement of a kind of input counts the bytes every call saves;
+            # a later one times the calls (the costs that change) and predicts the bytes,
+            # so the calls not offloaded run without the saved-tensor hooks
+            counts = fam.model is None
+            watch: StepWatch = Probe(meter, device, record, True, counts)
+            step.probe, step.counts = True, counts
+        else:
+            watch = StepWatch(meter, device, record, memory)
         record.watch = watch
         step.watch = watch
         if probe:
-            step.probe = True
             step.device, step.backend = device, off._runtime.backend(device)
             record.family.probing = True
         self._cold = False
@@ -475,6 +497,13 @@ class AutoPolicy:
         if m is None:
             return
         L = len(m.forward_s)
+        if not probe.counts:
+            if fam.model is None or fam.model.num_groups != L:
+                # the calls changed since the bytes were counted: measured afresh
+                fam.model = None
+                fam.sizes.clear()
+                return
+            _predicted_bytes(m, fam.model.predict(record.tokens, record.quad))
         act = None
         start, end = record.start_memory, probe.end_memory
         if start is not None:

@@ -244,9 +244,17 @@ class Probe(StepWatch):
     bytes each call saves and the compute stream's stalls (module docstring)."""
 
     def __init__(
-        self, meter: Meter, device: torch.device | None, record: Any, memory: bool = True
+        self,
+        meter: Meter,
+        device: torch.device | None,
+        record: Any,
+        memory: bool = True,
+        counts: bool = True,
     ) -> None:
         super().__init__(meter, device, record, memory)
+        #: whether the calls not offloaded count the bytes they would send (else the
+        #: policy predicts them: ``link_bytes`` and ``freed_bytes`` are 0 there)
+        self.counts = counts
         self.marks: list[dict[str, Any]] = []
         #: per call: storage -> bytes it would send (saves placed in a call before its
         #: start mark, a checkpoint's inputs, count too)
@@ -282,7 +290,6 @@ class Probe(StepWatch):
         cands = self.candidates.get(index, {})
         self.copies[index] = len(group.copies) if group.offload else len(cands)
         self.at_close = [len(t) for t in self.times]
-        self._sample()
         tensors = _tensors_in(outputs, [])
         if tensors:
             step.hooks.append(
@@ -303,9 +310,10 @@ class Probe(StepWatch):
         marks = self.marks[index]
         if kind == "b1" or kind not in marks:
             marks[kind] = self.meter.mark(self.device, kind, index)
-            if kind == "b0":
-                if index == len(self.marks) - 1:
-                    self.at_backward = [len(t) for t in self.times]
+            if kind == "b0" and index == len(self.marks) - 1:
+                self.at_backward = [len(t) for t in self.times]
+                # the forward's saves are all alive here: read once (the read costs
+                # about as much as a layer call's own bookkeeping)
                 self._sample()
 
     def _sample(self) -> None:

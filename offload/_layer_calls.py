@@ -109,7 +109,7 @@ class LayerCalls:
             group is not None
             and not group.offload
             and step.depth == 0
-            and not step.probe
+            and not step.counts
             and not self._aside
             and _hooks_on_top(self._saved_hooks)
         ):

@@ -133,7 +133,7 @@ class Saves:
             if not self.groups or self.forward_done:
                 self.outside["outside_layers"] += _nbytes(t)
                 return Kept(t)
-        elif not group.offload and not self.probe:
+        elif not group.offload and not self.counts:
             group.stats.bytes_kept["not_selected"] += _nbytes(t)
             return Kept(t)
         with self.rt.lock:

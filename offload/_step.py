@@ -153,9 +153,11 @@ class Step(Saves, GroupLife):
         self.hooks: list[Any] = []
         self.awaiting = 0  # groups with copies whose backward has not ended yet
         self.buffers = ReloadBuffers(self.cfg.double_buffering)
-        #: a measuring forward of offload_layers="auto": every group keeps the saved-
-        #: tensor hooks, and those not offloaded count the bytes they would send
+        #: a measuring forward of offload_layers="auto": every group is observed
         self.probe = False
+        #: ... and every group keeps the saved-tensor hooks, those not offloaded counting
+        #: the bytes they would send (a first measurement; later ones predict the bytes)
+        self.counts = False
         #: offload_layers="auto"'s observer of this forward (offload/_auto_probe.py):
         #: told when a group opens and closes, and (measuring) of each candidate save
         self.watch: Any = None
@@ -251,7 +253,7 @@ class Step(Saves, GroupLife):
                     self._release(self.groups[j])
             pending, self.pending = self.pending, []
             for handle, t in pending:
-                if offload or self.probe:
+                if offload or self.counts:
                     handle.inner = self._place(t, group)
                 else:
                     group.stats.bytes_kept["not_selected"] += _nbytes(t)

@@ -233,6 +233,44 @@ def test_lengths_are_measured_again_only_when_the_prediction_proves_wrong() -> N
     assert quad.records.index(probes[-1]) == last
 
 
+def test_a_later_measurement_times_the_calls_and_predicts_their_bytes(monkeypatch) -> None:
+    # the first measurement counts the bytes every call saves (each goes through the
+    # saved-tensor hooks); a later one at another length only times the calls: those it
+    # does not offload run without the hooks, and its bytes are the prediction's
+    from offload import _saves
+
+    L = 4
+    layers, ref = _model(L)
+    meter = FakeMeter(_attention_costs(1e-6, 4e-7, L), 2e8)
+    off = _auto_offloader(layers, meter)
+    packs = []
+    real_pack = _saves.Saves.pack
+    monkeypatch.setattr(
+        _saves.Saves, "pack", lambda self, t: (packs.append(self.open), real_pack(self, t))[1]
+    )
+    per_step = []
+    for seq in (16, 16, 64, 24, 56, 40):
+        packs.clear()
+        auto = _run(layers, ref, off, seq)
+        in_calls = [g for g in packs if g is not None]
+        per_step.append((auto["step"], len(in_calls), {g.index for g in in_calls if g.offload}))
+    first, later = per_step[0], [p for p in per_step[1:] if p[0] == "probe"]
+    assert first[0] == "probe" and first[1] > 0
+    assert later, per_step  # measured again (the first step's costs are cold)
+    for _, n, offloaded in later:
+        # only the offloaded calls' saves reach the hooks
+        assert n == 0 or offloaded, per_step
+    model = _family(off).model
+    assert len(model.points) >= 2
+    counted = {p.tokens: p for p in model.points}
+    real = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=1024)
+    for tokens, point in counted.items():
+        step(layers, torch.randn(2, tokens // 2, 64), models.run_plain, real)
+        est = model.predict(tokens, point.quad)
+        for got, la in zip(est.costs[: L - 1], real.stats.layers):
+            assert got.nbytes == pytest.approx(la.bytes_offloaded, rel=0.02), tokens
+
+
 # ---- the base, verification, back-off ----------------------------------------------------
 
 
