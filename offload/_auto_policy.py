@@ -288,9 +288,10 @@ class AutoPolicy:
             return
         # the link is probed and the fit warmed now, in the step that pays one-time
         # costs anyway (pinned memory, kernel selection), not in the first decision's
-        # step (the link's figures are cached per device)
-        meter.link(device)
-        warm_up()
+        # step (the link's figures are cached per device; a capture allows no probe)
+        if not step.capture:
+            meter.link(device)
+            warm_up()
         record = StepRecord(
             family=fam,
             tokens=tokens,
