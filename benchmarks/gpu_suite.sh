@@ -99,6 +99,8 @@ for part in $parts; do
              --out "$OUT/diagnostics/trace_plan.json" 2>&1 | tail -12
              timeout 200 python3 $B/diagnostics/one_layer.py \
              --out "$OUT/diagnostics/one_layer.json" 2>&1 | tail -9
+             timeout 150 python3 $B/diagnostics/new_lengths.py \
+             --out "$OUT/diagnostics/new_lengths.json" 2>&1 | tail -22
              for sel in 0 all; do timeout 90 python3 $B/diagnostics/hostprof.py \
              --offload-layers $sel --top 22 2>&1 | tee "$OUT/diagnostics/hostprof_$sel.log" | head -34; done ;;
     extra) bash -c "${EXTRA:-true}" ;;

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from offload import _auto, _packing
+from offload import _auto, _measure, _packing
 
 __all__ = ["DeviceMemory", "ProbeResult", "Meter", "Probe", "StepWatch", "meter_for"]
 
@@ -89,7 +89,10 @@ class Meter:
         return None
 
     def link(self, device: torch.device | None) -> tuple[float, float]:
-        """Host link bytes per second (D2H, H2D)."""
+        """Host link bytes per second (D2H, H2D); without an accelerator, a host
+        memcpy's (the CPU path's copies)."""
+        if device is None or device.type != "cuda":
+            return _measure.host_copy_bandwidth()
         return _auto.link_bandwidth(device)
 
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["LINK_PROBE_BYTES", "StepTimes", "link_bandwidth", "settle", "timed_steps"]
+__all__ = [
+    "LINK_PROBE_BYTES",
+    "StepTimes",
+    "host_copy_bandwidth",
+    "link_bandwidth",
+    "settle",
+    "timed_steps",
+]
 
 #: Bytes of each pinned <-> device copy of the link probe.
 LINK_PROBE_BYTES = 256 << 20
@@ -64,6 +71,31 @@ def link_bandwidth(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tupl
     del host, dev
     _BANDWIDTH[key] = (rates[0], rates[1])
     return rates[0], rates[1]
+
+
+def host_copy_bandwidth(nbytes: int = LINK_PROBE_BYTES // 4) -> tuple[float, float]:
+    """Bytes per second of a copy between two host buffers, as ``(D2H, H2D)`` (equal):
+    the "link" of the CPU path, where an offloaded tensor's copy is a host memcpy.
+    Measured once per size: one warm-up copy, then the median of :data:`LINK_REPEATS`.
+
+    Args:
+        nbytes: bytes of each copy. Default 64 MiB.
+    """
+    key = (torch.device("cpu"), nbytes)
+    cached = _BANDWIDTH.get(key)
+    if cached is not None:
+        return cached
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up (pages touched)
+    times = []
+    for _ in range(LINK_REPEATS):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    rate = nbytes / max(statistics.median(times), 1e-9)
+    _BANDWIDTH[key] = (rate, rate)
+    return rate, rate
 
 
 def settle(device: torch.device | None) -> None:

@@ -110,12 +110,13 @@ def test_default_trains_from_its_first_step_with_memory_between_none_and_all() -
 
 
 @pytest.mark.xfail(
-    reason="known shortfall, measured on an H200: with a new length every step the steps "
-    "that offload one or two layers run 1.02-1.23x and the measuring steps at a new "
-    "length up to 1.6x, while one fixed offloaded layer, the least offloading moves, costs "
-    "1.003-1.03x at most lengths from 3.8k to 7.1k tokens but 1.04-1.18x below "
-    "(benchmarks/diagnostics/one_layer.py, layer_marks.py): within 1.03x there only by "
-    "offloading nothing",
+    reason="known shortfall, measured on an H200: with a new length every step the median "
+    "holds (1.022x), the measuring steps cost nothing (0.99x) and every step where one "
+    "layer is within 1.03x offloads, but single steps exceed 1.03x beyond the noise: the "
+    "step that scales the first step's costs (1.125x), the first steps of a choice "
+    "(1.04-1.10x), and steps without offloading at 3k-5k tokens (1.04-1.11x, steps paced "
+    "by the host); one fixed layer costs 1.04-1.18x below about 4k tokens "
+    "(benchmarks/diagnostics/one_layer.py, layer_marks.py)",
     strict=False,
 )
 def test_new_length_every_step_keeps_offloading_within_three_percent() -> None:

@@ -1,0 +1,182 @@
+"""What ``offload_layers="auto"`` does step by step when every step has a new length.
+
+Command (one H200, about a minute)::
+
+    PYTHONPATH=. python3 benchmarks/diagnostics/new_lengths.py --out new_lengths.json
+
+Model: ``benchmarks._common.llama_1b_config`` (HF Llama ~1.1B, SDPA, bf16, random
+weights, batch 1). The loop of ``tests/test_auto_cuda.py``: each step draws a length
+from ``--min``..``--max`` (``--seed``); a step without offloading takes the shape's first
+step (kernel selection, allocator growth), then one step with the default offloader
+(``"auto"``), one with ``offload_layers=1`` (the least offloading moves) and two without
+offloading, whose median each ratio is taken against (their spread: ``noise``).
+
+Per step: what "auto" ran (``probe``: a measuring step; ``plan``: its choice; ``none``:
+nothing offloaded), layers offloaded and chosen, both ratios, the scale and phase of its
+policy, the pinned bytes its host pool added in the step (pinning mid-step costs more
+than the step), and the host milliseconds of the policy's and the offloader's functions
+in the step (``perf_counter`` wrappers, about 0.1 us per call). The device time of a
+step includes the host's where the device waited for it (steps up to about 4k tokens
+are paced by the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import offload
+from benchmarks._common import environment, hf_step, llama_1b_config, time_methods, write_json
+from offload import _auto_fit, _auto_policy, _auto_probe, _saves, _step
+
+TIMED: list[tuple[Any, list[str]]] = [
+    (_auto_policy.AutoPolicy, ["prepare", "_collect", "_measured", "_decide", "_sized"]),
+    (_auto_probe.Probe, ["result", "opened", "closed", "_at"]),
+    (_auto_probe.StepWatch, ["opened", "closed", "_backward_ended"]),
+    (_auto_fit.ShapeModel, ["_fit"]),
+    (_saves.Saves, ["pack", "_place"]),
+    (_step.Step, ["open_group", "close_group", "finish_forward"]),
+]
+
+
+def _cpu_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tensor, float]:
+    """:func:`benchmarks._common.hf_step` on the CPU: host milliseconds."""
+    for p in model.parameters():
+        p.grad = None
+    t0 = time.perf_counter()
+    with off if off is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), (time.perf_counter() - t0) * 1e3
+
+
+def _pool_bytes(off: Any) -> int:
+    pool = off._runtime._pool
+    return 0 if pool is None else pool.reserved_bytes
+
+
+def run(model: Any, args: argparse.Namespace) -> list[dict]:
+    cuda = args.device == "cuda"
+    step = hf_step if cuda else _cpu_step
+    layers = offload.find_layers(model)
+    auto = offload.ActivationOffloader(layers)  # the default: "auto"
+    if not cuda:
+        auto._auto.measure_on_cpu = True  # the host clock, no memory gauge
+    one = offload.ActivationOffloader(layers, offload_layers=1)
+    vocab = model.config.vocab_size
+    rng = random.Random(args.seed)
+    gen = torch.Generator(args.device).manual_seed(args.seed)
+    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    rows = []
+    try:
+        for _ in range(2):  # kernels and allocator warm, as in any run past its first steps
+            warm = torch.randint(0, vocab, (1, args.min), device=args.device, generator=gen)
+            step(model, warm)
+            step(model, warm, one)
+        restore = time_methods(TIMED, calls)
+        try:
+            for i in range(args.steps):
+                seq = rng.randint(args.min, args.max)
+                ids = torch.randint(0, vocab, (1, seq), device=args.device, generator=gen)
+                step(model, ids)  # the shape's first step
+                before = {k: v[1] for k, v in calls.items()}
+                pool = _pool_bytes(auto)
+                auto_ms = step(model, ids, auto)[1]
+                host = {
+                    k: round((v[1] - before.get(k, 0.0)) * 1e3, 3)
+                    for k, v in calls.items()
+                    if v[1] != before.get(k, 0.0)
+                }
+                grew = _pool_bytes(auto) - pool
+                stats = dict(auto.stats.auto)
+                one_ms = step(model, ids, one)[1]
+                none = [step(model, ids)[1] for _ in range(2)]
+                mid = statistics.median(none)
+                rows.append(
+                    {
+                        "step": i,
+                        "tokens": seq,
+                        "run": stats.get("step"),
+                        "offloaded": len(stats.get("offloaded") or []),
+                        "chosen": len(stats.get("chosen") or []),
+                        "ratio": auto_ms / mid,
+                        "one_layer_ratio": one_ms / mid,
+                        "none_ms": mid,
+                        "noise": max(none) / min(none) - 1.0,
+                        "phase": stats.get("phase"),
+                        "scale": stats.get("scale"),
+                        "predicted_ratio": stats.get("predicted_ratio"),
+                        "pool_added_bytes": grew,
+                        "host_ms": host,
+                        "state": auto._auto.state_size(),
+                    }
+                )
+        finally:
+            restore()
+    finally:
+        auto.close()
+        one.close()
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--min", type=int, default=2048, help="shortest length (tokens)")
+    p.add_argument("--max", type=int, default=8192, help="longest length (tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a 4-layer model of hidden 64 (smoke)")
+    p.add_argument("--out", default=None, help="JSON output file")
+    args = p.parse_args(argv)
+    if args.steps < 1 or not 1 <= args.min <= args.max:
+        p.error("--steps >= 1 and 1 <= --min <= --max")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import transformers
+
+    torch.manual_seed(0)
+    config = llama_1b_config(args.max)
+    if args.tiny:
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
+        config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 1, 128
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = model.to(args.device, dtype).train()
+    rows = run(model, args)
+    print(" step tokens run   off/chosen  ratio  one   noise  pool+MiB  policy host ms")
+    for r in rows:
+        policy = r["host_ms"].get("AutoPolicy.prepare", 0.0)
+        print(
+            f" {r['step']:4d} {r['tokens']:6d} {r['run'] or '-':5s} "
+            f"{r['offloaded']:3d}/{r['chosen']:<3d}     {r['ratio']:5.3f}  "
+            f"{r['one_layer_ratio']:5.3f} {r['noise']:5.3f}  {r['pool_added_bytes'] >> 20:7d}  "
+            f"{policy:7.2f}"
+        )
+    out = {
+        "benchmark": "new_lengths",
+        "command": sys.argv,
+        "settings": vars(args),
+        "environment": environment(torch.device(args.device)),
+        "rows": rows,
+    }
+    if args.out:
+        write_json(args.out, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
