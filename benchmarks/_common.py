@@ -305,6 +305,21 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     target.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def results(benchmark: str, args: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A results document (the benchmark's name, command line, settings, environment on
+    ``args.device``, rows), written to ``args.out`` when set."""
+    out = {
+        "benchmark": benchmark,
+        "command": sys.argv,
+        "settings": vars(args),
+        "environment": environment(torch.device(args.device)),
+        "rows": rows,
+    }
+    if args.out:
+        write_json(args.out, out)
+    return out
+
+
 def llama_1b_config(max_positions: int) -> Any:
     """The "HF Llama ~1.1B" of the tables: ``transformers.LlamaConfig`` with hidden 2048,
     16 layers, 32 heads, 4 KV heads, ffn 5632, vocab 32000 (random weights)."""
@@ -319,6 +334,23 @@ def llama_1b_config(max_positions: int) -> Any:
         vocab_size=32000,
         max_position_embeddings=max_positions,
     )
+
+
+def llama_1b(max_positions: int, device: str, tiny: bool = False) -> Any:
+    """The model of :func:`llama_1b_config` in training mode (SDPA, no cache, seed 0):
+    bf16 on CUDA, fp32 elsewhere; ``tiny``: 4 layers of hidden 64 and a vocabulary of
+    128 (the CPU smoke runs of the diagnostics)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = llama_1b_config(max_positions)
+    if tiny:
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
+        config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 1, 128
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return model.to(device, dtype).train()
 
 
 def free_cached(device: torch.device) -> None:

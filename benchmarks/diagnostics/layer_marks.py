@@ -33,7 +33,6 @@ import collections
 import contextlib
 import functools
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, llama_1b_config, time_methods, write_json
+from benchmarks._common import llama_1b, results, time_methods
 from offload import _device, _group, _host_pool, _layer_calls, _saves, _step, activations
 
 #: (owner, method names) wrapped with a timer
@@ -205,17 +204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    import transformers
-
-    torch.manual_seed(0)
-    config = llama_1b_config(max(args.lengths))
-    if args.tiny:
-        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
-        config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 1, 128
-    config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = model.to(args.device, dtype).train()
+    model = llama_1b(max(args.lengths), args.device, args.tiny)
     layers = offload.find_layers(model)
     rows = [measure(model, layers, seq, args) for seq in args.lengths]
     for r in rows:
@@ -230,16 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"   {k:40s} {n:6.1f} calls {ms:7.3f} ms/step")
         print(f"   MiB sent {dict((k, v / 2**20) for k, v in r['bytes_offloaded'].items())}")
         print(f"   synchronising calls {r['sync_calls']}")
-    out = {
-        "benchmark": "layer_marks",
-        "command": sys.argv,
-        "settings": vars(args),
-        "environment": environment(torch.device(args.device)),
-        "rows": rows,
-    }
-    if args.out:
-        write_json(args.out, out)
-    return out
+    return results("layer_marks", args, rows)
 
 
 if __name__ == "__main__":

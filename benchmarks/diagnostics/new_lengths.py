@@ -27,7 +27,6 @@ import collections
 import contextlib
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, hf_step, llama_1b_config, time_methods, write_json
+from benchmarks._common import hf_step, llama_1b, results, time_methods
 from offload import _auto_fit, _auto_policy, _auto_probe, _saves, _step
 
 TIMED: list[tuple[Any, list[str]]] = [
@@ -145,17 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    import transformers
-
-    torch.manual_seed(0)
-    config = llama_1b_config(args.max)
-    if args.tiny:
-        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
-        config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 1, 128
-    config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = model.to(args.device, dtype).train()
+    model = llama_1b(args.max, args.device, args.tiny)
     rows = run(model, args)
     print(" step tokens run   off/chosen  ratio  one   noise  pool+MiB  policy host ms")
     for r in rows:
@@ -166,16 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{r['one_layer_ratio']:5.3f} {r['noise']:5.3f}  {r['pool_added_bytes'] >> 20:7d}  "
             f"{policy:7.2f}"
         )
-    out = {
-        "benchmark": "new_lengths",
-        "command": sys.argv,
-        "settings": vars(args),
-        "environment": environment(torch.device(args.device)),
-        "rows": rows,
-    }
-    if args.out:
-        write_json(args.out, out)
-    return out
+    return results("new_lengths", args, rows)
 
 
 if __name__ == "__main__":
