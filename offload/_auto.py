@@ -21,6 +21,7 @@ scheduling the GPU would run with every layer offloaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,7 +95,12 @@ class AutoDecision:
     backoff: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain data (``dataclasses.asdict``'s result, built without its
+        deep copy: every step at a new size asks for one)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["offloaded"] = list(self.offloaded)
+        out["costs"] = [dict(vars(c)) for c in self.costs]
+        return out
 
 
 def memory_floor(freed: Sequence[float], peak_all: float, limit: float) -> int:
@@ -144,7 +150,7 @@ def predict_step(
     for it. Both directions run at once (the link is full duplex).
     """
     L = len(costs)
-    plan = make_plan(L, sorted(offloaded), prefetch_layers)
+    plan, released = _plan_of(L, tuple(sorted(offloaded)), prefetch_layers)
     t = 0.0
     d2h_free = 0.0
     d2h_done: dict[int, float] = {}
@@ -156,7 +162,6 @@ def predict_step(
         if i in plan.offloaded:
             d2h_free = max(d2h_free, start) + costs[i].nbytes / d2h_bps
             d2h_done[i] = max(d2h_free, t)
-    released = {g for groups in plan.release_at.values() for g in groups}
     for s in plan.offloaded - released:
         t = max(t, d2h_done[s])  # the last call: released at its close, before the gap
     t += gap_s
@@ -170,6 +175,16 @@ def predict_step(
             t = max(t, h2d_done.get(q, t))
         t += costs[q].backward(q in plan.offloaded)
     return t
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_of(
+    num_groups: int, offloaded: tuple[int, ...], prefetch_layers: int | None
+) -> tuple[Any, frozenset[int]]:
+    """The schedule :func:`predict_step` simulates and the groups it releases before the
+    last call (pure: shared between the predictions of every size)."""
+    plan = make_plan(num_groups, offloaded, prefetch_layers)
+    return plan, frozenset(g for groups in plan.release_at.values() for g in groups)
 
 
 def choose(

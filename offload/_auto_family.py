@@ -191,6 +191,8 @@ class Family:
         self.blocked = 0
         self.note = ""
         self.sizes: collections.OrderedDict[tuple[int, int], Sized] = collections.OrderedDict()
+        #: :meth:`base` per size, for the model's version under the key ``None``
+        self._bases: dict[Any, Any] = {}
 
     def learn_memory(self, start: DeviceMemory, end: DeviceMemory, predicted: float) -> None:
         """What a step needed beyond its predicted peak (a measuring step: its own
@@ -251,14 +253,27 @@ class Family:
         return self.base(tokens, quad) * statistics.median(ratios)
 
     def base(self, tokens: int, quad: int) -> float:
-        """The unscaled predicted step time without offloading at a size."""
-        sized = self.sizes.get((tokens, quad))
-        if sized is not None and sized.version == self.model.version:  # type: ignore[union-attr]
-            got = sized.predicted.get(0)
-            if got is None:
-                got = sized.predicted[0] = base_seconds(sized.est)
-            return got
-        return base_seconds(self.model.predict(tokens, quad))  # type: ignore[union-attr]
+        """The unscaled predicted step time without offloading at a size (kept per
+        size while the model's points do not change: the samples of every verification
+        ask for theirs at each step's read)."""
+        model = self.model
+        cache = self._bases
+        if cache.get(None) != model.version:  # type: ignore[union-attr]
+            cache.clear()
+            cache[None] = model.version  # type: ignore[union-attr]
+        got = cache.get((tokens, quad))
+        if got is None:
+            sized = self.sizes.get((tokens, quad))
+            if sized is not None and sized.version == model.version:  # type: ignore[union-attr]
+                est = sized.est
+            else:
+                est = model.predict(tokens, quad)  # type: ignore[union-attr]
+            got = base_seconds(est)
+            if len(cache) > 4 * (VERIFY_STEPS + WATCH_STEPS):  # bounded: the samples' sizes
+                cache.clear()
+                cache[None] = model.version  # type: ignore[union-attr]
+            cache[(tokens, quad)] = got
+        return got
 
     def ratio(self, samples: list[tuple[int, int, float, bool, float | None]]) -> list[float]:
         """Each sample's ratio: paired, else against the steps without offloading

@@ -35,7 +35,6 @@ are not read yet, bounded sample queues.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any
 
 import torch
@@ -115,13 +114,14 @@ def _roomy(mem: Memory | None) -> bool:
 
 
 def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
-    costs = [
-        dataclasses.replace(
-            c,
-            forward_s=c.forward_s * s,
-            backward_s=c.backward_s * s,
-            host_forward_s=c.host_forward_s * s,
-            host_backward_s=c.host_backward_s * s,
+    costs = [  # the constructor, not dataclasses.replace: once per layer and new size
+        _auto.LayerCost(
+            c.forward_s * s,
+            c.backward_s * s,
+            c.nbytes,
+            c.host_forward_s * s,
+            c.host_backward_s * s,
+            c.copies,
         )
         for c in est.costs
     ]
