@@ -5,8 +5,9 @@ forward (:class:`Probe`).
 A step talks to these through three calls (``Step.watch``): ``opened(step, group,
 inputs)`` when a layer call starts, ``closed(step, group, outputs)`` when it ends, and
 ``count(index, key, nbytes)`` for a tensor a measuring forward saves in a call that is
-not offloaded (the bytes offloading it would send). Nothing else of the step is read
-while it runs.
+not offloaded (the bytes offloading it would send; only a first measurement counts,
+``Probe.counts``: later ones take the bytes from the prediction, and those calls run
+without the saved-tensor hooks). Nothing else of the step is read while it runs.
 
 The measuring forward runs the plan it is given (``"all"`` the first time: it never
 needs more device memory than ``"all"``) and times each layer call on the compute
@@ -244,7 +245,8 @@ class ProbeResult:
 
 class Probe(StepWatch):
     """The measuring forward: :class:`StepWatch` plus four marks per layer call, the
-    bytes each call saves and the compute stream's stalls (module docstring)."""
+    bytes each call saves (``counts``) and the compute stream's stalls (module
+    docstring)."""
 
     def __init__(
         self,
