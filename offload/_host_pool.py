@@ -167,8 +167,8 @@ class HostPool:
         self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
         self._slabs: list[_Slab] = []
         #: every free range of every slab as ``(size, slab order, start)``, sorted: the
-        #: best fit is one bisection away (a scan of every slab cost tens of
-        #: microseconds per saved tensor with many slabs)
+        #: best fit is one bisection away (a scan of every slab would cost each saved
+        #: tensor time in proportion to the slabs, which grow with the step)
         self._free: list[tuple[int, int, int]] = []
         self._by_order: dict[int, _Slab] = {}
         self._made = 0
