@@ -191,8 +191,9 @@ class Family:
         self.blocked = 0
         self.note = ""
         self.sizes: collections.OrderedDict[tuple[int, int], Sized] = collections.OrderedDict()
-        #: :meth:`base` per size, for the model's version under the key ``None``
-        self._bases: dict[Any, Any] = {}
+        #: :meth:`base` per size, for the model and version in ``_bases_of``
+        self._bases: dict[tuple[int, int], float] = {}
+        self._bases_of: tuple[Any, int] | None = None
 
     def learn_memory(self, start: DeviceMemory, end: DeviceMemory, predicted: float) -> None:
         """What a step needed beyond its predicted peak (a measuring step: its own
@@ -258,9 +259,10 @@ class Family:
         ask for theirs at each step's read)."""
         model = self.model
         cache = self._bases
-        if cache.get(None) != model.version:  # type: ignore[union-attr]
+        owner = self._bases_of
+        if owner is None or owner[0] is not model or owner[1] != model.version:  # type: ignore[union-attr]
             cache.clear()
-            cache[None] = model.version  # type: ignore[union-attr]
+            self._bases_of = (model, model.version)  # type: ignore[union-attr]
         got = cache.get((tokens, quad))
         if got is None:
             sized = self.sizes.get((tokens, quad))
@@ -271,7 +273,6 @@ class Family:
             got = base_seconds(est)
             if len(cache) > 4 * (VERIFY_STEPS + WATCH_STEPS):  # bounded: the samples' sizes
                 cache.clear()
-                cache[None] = model.version  # type: ignore[union-attr]
             cache[(tokens, quad)] = got
         return got
 

@@ -271,6 +271,45 @@ def test_a_later_measurement_times_the_calls_and_predicts_their_bytes(monkeypatc
             assert got.nbytes == pytest.approx(la.bytes_offloaded, rel=0.02), tokens
 
 
+def test_a_later_measurement_of_a_changed_forward_counts_again() -> None:
+    # the bytes are predicted only for the calls the counted measurement saw: when a
+    # later measurement ran another number of calls, the model is dropped and the next
+    # step measures afresh, counting
+    from offload._auto_probe import ProbeResult
+
+    L = 3
+    layers, ref = _model(L)
+    meter = FakeMeter(_attention_costs(1e-6, 4e-7, L), 2e8)
+    off = _auto_offloader(layers, meter)
+    for seq in (16, 16):
+        _run(layers, ref, off, seq)
+    policy, fam = off._auto, _family(off)
+    assert fam.model is not None and fam.model.num_groups == L
+
+    class Uncounted:
+        counts, end_memory = False, None
+
+        def result(self) -> ProbeResult:
+            n = L + 1
+            return ProbeResult(
+                [1e-3] * n, [2e-3] * n, [0.0] * n, [0.0] * n, [0] * n, [0] * n, [0] * n,
+                [False] * n, 0.0, None,
+            )  # fmt: skip
+
+    record = _auto_policy.StepRecord(
+        family=fam, tokens=64, quad=64 * 32, run=_auto_policy.Run.PROBE, offloaded=0,
+        forced=False, exact=False, generation=fam.generation, predicted_s=None,
+        predicted_peak=None, start_memory=None,
+    )  # fmt: skip
+    policy._measured(record, Uncounted())
+    assert fam.model is None and not fam.sizes
+    auto = _run(layers, ref, off, 24)  # measured afresh, every call counted
+    assert auto["step"] == "probe" and auto["ran"] == list(range(L - 1))
+    _run(layers, ref, off, 24)  # its measurement is read before this step
+    assert fam.model is not None and fam.model.num_groups == L
+    assert all(c.nbytes > 0 for c in fam.model.predict(48, 48 * 24).costs[: L - 1])
+
+
 # ---- the base, verification, back-off ----------------------------------------------------
 
 
