@@ -69,18 +69,23 @@ def gc_off() -> Iterator[None]:
 
 
 def hf_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tensor, float]:
-    """One step of a Hugging Face causal LM on a CUDA device: gradients set to ``None``,
-    forward with ``labels=ids`` inside ``off`` (an offloader, or ``None``) and backward,
-    timed with CUDA events after a synchronisation. Returns the detached loss and the
-    step's device milliseconds."""
+    """One step of a Hugging Face causal LM: gradients set to ``None``, forward with
+    ``labels=ids`` inside ``off`` (an offloader, or ``None``) and backward. On a CUDA
+    device timed with CUDA events after a synchronisation, elsewhere with the host clock.
+    Returns the detached loss and the step's milliseconds."""
     for p in model.parameters():
         p.grad = None
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
     with off if off is not None else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    if not cuda:
+        return loss.detach(), (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
     return loss.detach(), start.elapsed_time(end)

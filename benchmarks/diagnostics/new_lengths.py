@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import random
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,28 +45,15 @@ TIMED: list[tuple[Any, list[str]]] = [
 ]
 
 
-def _cpu_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tensor, float]:
-    """:func:`benchmarks._common.hf_step` on the CPU: host milliseconds."""
-    for p in model.parameters():
-        p.grad = None
-    t0 = time.perf_counter()
-    with off if off is not None else contextlib.nullcontext():
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), (time.perf_counter() - t0) * 1e3
-
-
 def _pool_bytes(off: Any) -> int:
     pool = off._runtime._pool
     return 0 if pool is None else pool.reserved_bytes
 
 
 def run(model: Any, args: argparse.Namespace) -> list[dict]:
-    cuda = args.device == "cuda"
-    step = hf_step if cuda else _cpu_step
     layers = offload.find_layers(model)
     auto = offload.ActivationOffloader(layers)  # the default: "auto"
-    if not cuda:
+    if args.device != "cuda":
         auto._auto.measure_on_cpu = True  # the host clock, no memory gauge
     one = offload.ActivationOffloader(layers, offload_layers=1)
     vocab = model.config.vocab_size
@@ -79,17 +64,17 @@ def run(model: Any, args: argparse.Namespace) -> list[dict]:
     try:
         for _ in range(2):  # kernels and allocator warm, as in any run past its first steps
             warm = torch.randint(0, vocab, (1, args.min), device=args.device, generator=gen)
-            step(model, warm)
-            step(model, warm, one)
+            hf_step(model, warm)
+            hf_step(model, warm, one)
         restore = time_methods(TIMED, calls)
         try:
             for i in range(args.steps):
                 seq = rng.randint(args.min, args.max)
                 ids = torch.randint(0, vocab, (1, seq), device=args.device, generator=gen)
-                step(model, ids)  # the shape's first step
+                hf_step(model, ids)  # the shape's first step
                 before = {k: v[1] for k, v in calls.items()}
                 pool = _pool_bytes(auto)
-                auto_ms = step(model, ids, auto)[1]
+                auto_ms = hf_step(model, ids, auto)[1]
                 host = {
                     k: round((v[1] - before.get(k, 0.0)) * 1e3, 3)
                     for k, v in calls.items()
@@ -97,8 +82,8 @@ def run(model: Any, args: argparse.Namespace) -> list[dict]:
                 }
                 grew = _pool_bytes(auto) - pool
                 stats = dict(auto.stats.auto)
-                one_ms = step(model, ids, one)[1]
-                none = [step(model, ids)[1] for _ in range(2)]
+                one_ms = hf_step(model, ids, one)[1]
+                none = [hf_step(model, ids)[1] for _ in range(2)]
                 mid = statistics.median(none)
                 rows.append(
                     {

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 import offload
-from benchmarks._common import environment, hf_step, llama_1b_config, write_json
+from benchmarks._common import environment, hf_step, llama_1b, write_json
 
 
 def step(model: Any, ids: torch.Tensor, off: Any) -> float:
@@ -170,13 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("one_layer.py needs a CUDA device")
-    import transformers
-
-    torch.manual_seed(0)
-    config = llama_1b_config(max(args.lengths))
-    config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model = model.to("cuda", torch.bfloat16).train()
+    model = llama_1b(max(args.lengths), "cuda")
     off = offload.ActivationOffloader(offload.find_layers(model), offload_layers=1)
     rows = [measure(model, off, seq, args) for seq in args.lengths]
     off.close()
