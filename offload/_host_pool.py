@@ -165,11 +165,11 @@ class HostPool:
         self.retain = retain
         self.ahead = ahead
         self.min_slab = None if min_slab is None else _next_pow2(max(ALIGN, int(min_slab)))
-        self._slabs: list[_Slab] = []
         #: every free range of every slab as ``(size, slab order, start)``, sorted: the
         #: best fit is one bisection away (a scan of every slab would cost each saved
         #: tensor time in proportion to the slabs, which grow with the step)
         self._free: list[tuple[int, int, int]] = []
+        #: the slabs by creation order (a dict keeps it)
         self._by_order: dict[int, _Slab] = {}
         self._made = 0
         self._lock = threading.Lock()
@@ -178,6 +178,11 @@ class HostPool:
         self.peak_bytes = 0
         #: Event of the newest host-to-device copy that reads pool memory (4.1(d)).
         self.h2d_fence: Any = None
+
+    @property
+    def _slabs(self) -> list[_Slab]:
+        """The slabs, oldest first."""
+        return list(self._by_order.values())
 
     def allocate(self, length: int) -> HostBlock | None:
         """A block of at least ``length`` bytes, or ``None`` when the budget is reached."""
@@ -245,8 +250,7 @@ class HostPool:
             # that fits: return them first (never with ``retain``: host addresses must
             # stay valid until close()).
             if not self.retain:
-                for slab in [s for s in self._slabs if s.used == 0]:
-                    self._slabs.remove(slab)
+                for slab in [s for s in self._by_order.values() if s.used == 0]:
                     del self._by_order[slab.order]
                     self._free.remove((slab.size, slab.order, 0))
                     self.reserved_bytes -= slab.size
@@ -261,7 +265,6 @@ class HostPool:
             return None
         slab = _Slab(buffer, self._made)
         self._made += 1
-        self._slabs.append(slab)
         self._by_order[slab.order] = slab
         bisect.insort(self._free, (size, slab.order, 0))
         self.reserved_bytes += size
@@ -331,7 +334,6 @@ class HostPool:
     def close(self) -> None:
         """Drop every slab. Blocks still handed out keep their own slab alive."""
         with self._lock:
-            self._slabs.clear()
             self._free.clear()
             self._by_order.clear()
             self.reserved_bytes = 0
