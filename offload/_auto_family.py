@@ -42,6 +42,7 @@ from offload._auto_fit import Estimate, ShapeModel
 from offload._auto_probe import DeviceMemory, StepWatch
 
 __all__ = [
+    "MAX_DECISIONS",
     "MIN_PAIRS",
     "PREDICTION_TOLERANCE",
     "RESCALE",
@@ -76,6 +77,8 @@ RESIDUALS = 8
 #: A step's measured/predicted ratio this far from the median of those before it means
 #: the prediction for its size was wrong: the next step is measured again.
 PREDICTION_TOLERANCE = 0.10
+#: Sizes whose costs and decisions are kept per kind of input (the last used).
+MAX_DECISIONS = 16
 #: A change of the scale by more than this re-decides and verifies again.
 RESCALE = 0.05
 
@@ -191,9 +194,6 @@ class Family:
         self.blocked = 0
         self.note = ""
         self.sizes: collections.OrderedDict[tuple[int, int], Sized] = collections.OrderedDict()
-        #: :meth:`base` per size, for the model and version in ``_bases_of``
-        self._bases: dict[tuple[int, int], float] = {}
-        self._bases_of: tuple[Any, int] | None = None
 
     def learn_memory(self, start: DeviceMemory, end: DeviceMemory, predicted: float) -> None:
         """What a step needed beyond its predicted peak (a measuring step: its own
@@ -253,27 +253,30 @@ class Family:
             return None
         return self.base(tokens, quad) * statistics.median(ratios)
 
-    def base(self, tokens: int, quad: int) -> float:
-        """The unscaled predicted step time without offloading at a size (kept per
-        size while the model's points do not change: the samples of every verification
-        ask for theirs at each step's read)."""
+    def sized(self, tokens: int, quad: int) -> Sized:
+        """The costs at one size (cached per size while the points do not change, the
+        :data:`MAX_DECISIONS` sizes used last)."""
         model = self.model
-        cache = self._bases
-        owner = self._bases_of
-        if owner is None or owner[0] is not model or owner[1] != model.version:  # type: ignore[union-attr]
-            cache.clear()
-            self._bases_of = (model, model.version)  # type: ignore[union-attr]
-        got = cache.get((tokens, quad))
+        sized = self.sizes.get((tokens, quad))
+        if sized is None or sized.version != model.version:  # type: ignore[union-attr]
+            est = model.predict(tokens, quad)  # type: ignore[union-attr]
+            L = len(est.freed)
+            kept = [0.0] * L
+            for k in range(L - 2, -1, -1):
+                kept[k] = kept[k + 1] + est.freed[k]
+            sized = self.sizes[(tokens, quad)] = Sized(model.version, est, kept)  # type: ignore[union-attr]
+            while len(self.sizes) > MAX_DECISIONS:
+                self.sizes.popitem(last=False)
+        self.sizes.move_to_end((tokens, quad))
+        return sized
+
+    def base(self, tokens: int, quad: int) -> float:
+        """The unscaled predicted step time without offloading at a size (kept with the
+        size's costs: the samples of every verification ask for theirs at each read)."""
+        sized = self.sized(tokens, quad)
+        got = sized.predicted.get(0)
         if got is None:
-            sized = self.sizes.get((tokens, quad))
-            if sized is not None and sized.version == model.version:  # type: ignore[union-attr]
-                est = sized.est
-            else:
-                est = model.predict(tokens, quad)  # type: ignore[union-attr]
-            got = base_seconds(est)
-            if len(cache) > 4 * (VERIFY_STEPS + WATCH_STEPS):  # bounded: the samples' sizes
-                cache.clear()
-            cache[(tokens, quad)] = got
+            got = sized.predicted[0] = base_seconds(sized.est)
         return got
 
     def ratio(self, samples: list[tuple[int, int, float, bool, float | None]]) -> list[float]:

@@ -41,6 +41,7 @@ import torch
 
 from offload import _auto
 from offload._auto_family import (
+    MAX_DECISIONS,
     MIN_PAIRS,
     PREDICTION_TOLERANCE,
     RESCALE,
@@ -85,8 +86,6 @@ WATCH_EVERY = 4
 MEMORY_MARGIN = 0.05
 #: Kinds of input remembered, least recently used dropped first.
 MAX_FAMILIES = 8
-#: Decisions cached per kind of input (sizes).
-MAX_DECISIONS = 16
 #: Steps whose times have not been read yet; older ones are dropped unread.
 MAX_PENDING = 8
 #: The step after the first runs without offloading (to scale the first step's costs)
@@ -202,7 +201,7 @@ class AutoPolicy:
         if fam.model is None:
             self._measure_all(off, step, fam, meter, device, tokens, quad, memory)
             return
-        sized = self._sized(fam, tokens, quad)
+        sized = fam.sized(tokens, quad)
         est = sized.est
         decision, mem, stats = self._decide(fam, sized, memory, meter, device, cfg)
         chosen = len(decision.offloaded)
@@ -351,22 +350,6 @@ class AutoPolicy:
             self._drop(self.pending.popleft())
 
     # ---- deciding ----------------------------------------------------------------------
-
-    def _sized(self, fam: Family, tokens: int, quad: int) -> Sized:
-        """The costs at one size (cached per size while the points do not change)."""
-        model = fam.model
-        sized = fam.sizes.get((tokens, quad))
-        if sized is None or sized.version != model.version:  # type: ignore[union-attr]
-            est = model.predict(tokens, quad)  # type: ignore[union-attr]
-            L = len(est.freed)
-            kept = [0.0] * L
-            for k in range(L - 2, -1, -1):
-                kept[k] = kept[k + 1] + est.freed[k]
-            sized = fam.sizes[(tokens, quad)] = Sized(model.version, est, kept)  # type: ignore[union-attr]
-            while len(fam.sizes) > MAX_DECISIONS:
-                fam.sizes.popitem(last=False)
-        fam.sizes.move_to_end((tokens, quad))
-        return sized
 
     @staticmethod
     def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
