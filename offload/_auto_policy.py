@@ -336,13 +336,12 @@ class AutoPolicy:
             counts = fam.model is None
             watch: StepWatch = Probe(meter, device, record, True, counts)
             step.probe, step.counts = True, counts
+            step.device, step.backend = device, off._runtime.backend(device)
+            fam.probing = True
         else:
             watch = StepWatch(meter, device, record, memory)
         record.watch = watch
         step.watch = watch
-        if probe:
-            step.device, step.backend = device, off._runtime.backend(device)
-            record.family.probing = True
         self._cold = False
         meter.begin(record)
         self.pending.append(record)
