@@ -33,10 +33,11 @@ import torch
 
 import offload
 from benchmarks._common import hf_step, llama_1b, results, time_methods
-from offload import _auto_fit, _auto_policy, _auto_probe, _saves, _step
+from offload import _auto_family, _auto_fit, _auto_policy, _auto_probe, _saves, _step
 
 TIMED: list[tuple[Any, list[str]]] = [
-    (_auto_policy.AutoPolicy, ["prepare", "_collect", "_measured", "_decide", "_sized"]),
+    (_auto_policy.AutoPolicy, ["prepare", "_collect", "_measured", "_decide"]),
+    (_auto_family.Family, ["sized", "base"]),
     (_auto_probe.Probe, ["result", "opened", "closed", "_at"]),
     (_auto_probe.StepWatch, ["opened", "closed", "_backward_ended"]),
     (_auto_fit.ShapeModel, ["_fit"]),
