@@ -24,11 +24,13 @@ Each of ``--runs`` runs does, per model:
 1. ``auto``: a fresh ``ActivationOffloader(layers)`` (the default, ``"auto"``) runs until
    its ``stats.auto["phase"]`` is ``"settled"`` (at most ``--settle`` steps): its measuring
    forward, its own verification against steps without offloading and any back-off.
-2. A/B: ``--rounds`` rounds of two blocks, no offloading and ``auto``, the first of each
-   round alternating (ABBA...), each block one unmeasured step and ``--steps`` timed
-   steps. ``ratio`` = median of auto's timed steps / median of no offloading's. Auto's
-   own kind of each timed step (``plan``, ``none`` when it verified again, ``probe``) is
-   recorded with it.
+2. A/B: one unmeasured step of each, then ``--rounds`` rounds of two blocks of
+   ``--steps`` steps, no offloading and ``auto``, the first of each round alternating
+   (ABBA...). ``ratio`` = the median over rounds of (auto's median step in the round /
+   no offloading's): adjacent blocks share the speed of the moment, which drifts within
+   a run (host-paced models most). ``ratio_of_medians`` beside it. Auto's own kind of
+   each timed step (``plan``, ``verify`` when it verified again without offloading,
+   ``probe``) is recorded with it; its ``verify`` steps are left out of the ratios.
 3. Fixed k: the largest k whose A/B ratio (``--k-rounds`` rounds, same blocks) is at most
    1.03, by bisection over 1..L-1 with one offloader whose selection is a mutable k (one
    host pool). Its activation memory is measured the same way.
@@ -155,36 +157,44 @@ class Runner:
             return start.elapsed_time(end), act
         return (time.perf_counter() - t0) * 1e3, None
 
-    def block(self, off: Any, steps: int, warmup: int = 1) -> list[tuple[float, float | None]]:
-        for _ in range(warmup):
-            self.step(off)
-        return [self.step(off) for _ in range(steps)]
-
     def ab(self, off: Any, rounds: int, steps: int, watch: Any = None) -> dict[str, Any]:
-        """No offloading and ``off`` in alternating blocks (ABBA...)."""
+        """No offloading and ``off`` in alternating blocks of ``steps`` steps (ABBA...),
+        after one unmeasured step of each. ``ratio``: the median over rounds of the
+        round's ratio (its median ``off`` step over its median step without offloading):
+        blocks next to each other in time share the host's and the device's speed of
+        the moment, which drift between machine starts and within a run."""
         times: dict[str, list[tuple[float, float | None]]] = {"none": [], "off": []}
         kinds: list[str] = []
+        paired: list[float] = []
+        self.step(None)
+        self.step(off)
         for r in range(rounds):
             order = [("none", None), ("off", off)]
+            got: dict[str, list[float]] = {"none": [], "off": []}
             for name, o in order if r % 2 == 0 else order[::-1]:
-                got = []
-                self.step(o)  # one unmeasured step
                 for _ in range(steps):
-                    got.append(self.step(o))
-                    if name == "off" and watch is not None:
-                        kinds.append(watch())
-                times[name] += got
+                    ms, act = self.step(o)
+                    times[name].append((ms, act))
+                    kind = watch() if name == "off" and watch is not None else "plan"
+                    if name == "off":
+                        kinds.append(kind)
+                    if kind != "verify":  # auto's own steps without offloading aside
+                        got[name].append(ms)
+            if got["off"]:
+                paired.append(statistics.median(got["off"]) / statistics.median(got["none"]))
         none_ms = statistics.median(t for t, _ in times["none"])
         off_ms = statistics.median(t for t, _ in times["off"])
         acts = {k: [a for _, a in v if a is not None] for k, v in times.items()}
         # auto's own verifying steps without offloading (started again when it saw its
         # ratio drift) aside: what its choice costs and saves
-        kinds = kinds or ["plan"] * len(times["off"])
         chosen = [x for x, kind in zip(times["off"], kinds) if kind != "verify"]
         chosen_acts = [a for _, a in chosen if a is not None]
         return {
+            "ratio": statistics.median(paired) if paired else None,
+            "ratio_of_medians": (
+                statistics.median(t for t, _ in chosen) / none_ms if chosen else None
+            ),
             "ratio_all": off_ms / none_ms,
-            "ratio": statistics.median(t for t, _ in chosen) / none_ms if chosen else None,
             "none_ms": [t for t, _ in times["none"]],
             "off_ms": [t for t, _ in times["off"]],
             "none_act_gib": max(acts["none"]) if acts["none"] else None,
@@ -299,9 +309,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per block")
-    p.add_argument("--rounds", type=int, default=3, help="A/B rounds, auto against none")
-    p.add_argument("--k-rounds", type=int, default=2, help="A/B rounds per fixed k tried")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per block")
+    p.add_argument("--rounds", type=int, default=21, help="A/B rounds, auto against none")
+    p.add_argument("--k-rounds", type=int, default=9, help="A/B rounds per fixed k tried")
     p.add_argument("--settle", type=int, default=30, help="most steps for auto to settle")
     p.add_argument("--seqs", default="4096,8192,16384", help="HF Llama sequence lengths")
     p.add_argument("--models", default="ref-8L,tiny48,hf", help="ref-8L, tiny48, hf")
