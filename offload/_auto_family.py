@@ -23,10 +23,11 @@ The scale: a timed step whose measured/predicted ratio the prediction can explai
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
 or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
 (the lower quartile of the ratios, kept per kind of step; steps without offloading
-first, as they hold no stall), which multiplies every predicted compute time. A step
-at another size whose ratio is further off means the prediction was wrong there: the
-next step measures again. When the measured sizes change, the scale is taken again from the steps without
-offloading kept (:meth:`Family.rescale`).
+first, as they hold no stall), which multiplies every predicted compute time; a move of
+more than :data:`RESCALE` re-decides, and starts the round again only where the choice
+changes. A step at another size whose ratio is further off means the prediction was
+wrong there: the next step measures again. When the measured sizes change, the scale is
+taken again from the steps without offloading kept (:meth:`Family.rescale`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ RESIDUALS = 8
 PREDICTION_TOLERANCE = 0.10
 #: Sizes whose costs and decisions are kept per kind of input (the last used).
 MAX_DECISIONS = 16
-#: A change of the scale by more than this re-decides and verifies again.
+#: A change of the scale by more than this re-decides; a round starts again only where
+#: that changes the choice.
 RESCALE = 0.05
 
 
@@ -373,10 +375,11 @@ class Family:
             self.residuals[run].append(rho)
             scale = _low(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
             if abs(scale / self.scale - 1.0) > RESCALE:
+                # re-decided at the next step; the round starts again only where that
+                # changes the choice (AutoPolicy._decide): where step times jitter the
+                # scale moves often, and a restart at every move could leave a round
+                # that never ends while an unverified choice runs
                 self.scale = scale
-                self.new_generation()
-                if run is Run.PLAN:
-                    return  # measured with the old scale's choice
         else:
             self.reprobe = True  # the prediction for this size proved wrong
         if run is Run.NONE:

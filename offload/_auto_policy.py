@@ -383,6 +383,10 @@ class AutoPolicy:
         floor = mem.floor if mem is not None else 0
         stamp = (fam.generation, fam.scale, fam.backoff, floor)
         if sized.stamp != stamp or sized.decision is None:
+            old = sized.stamp
+            # only the scale moved (Family.observe): the choice it replaces
+            scaled = old is not None and old[0] == stamp[0] and old[2:] == stamp[2:]
+            before = sized.decision if scaled else None
             note = ""
             if mem is not None:
                 note = (
@@ -403,6 +407,9 @@ class AutoPolicy:
                 backoff=fam.backoff,
                 memory_note=note,
             )
+            if before is not None and len(before.offloaded) != len(sized.decision.offloaded):
+                fam.new_generation("the scale changed the choice: verifying again")
+                stamp = (fam.generation, *stamp[1:])
             sized.stats = sized.decision.to_dict()
             sized.stamp = stamp
         decision = sized.decision

@@ -547,3 +547,24 @@ def test_a_real_slowdown_beyond_the_noise_still_backs_off() -> None:
     assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
     # bounded: the two rounds ran at most VERIFY_STEPS steps without offloading each
     assert sum(r["step"] == "none" for r in runs) <= 2 * _auto_policy.VERIFY_STEPS
+
+
+def test_a_round_ends_on_a_host_whose_step_times_jitter() -> None:
+    # every step, with or without offloading, varies by up to 25 % either way (a busy
+    # host pacing small layers); every offloaded layer really costs 15 %. The scale the
+    # steps read moves with the jitter: each round must still end within its steps
+    # without offloading, instead of starting again at every move of the scale while
+    # a choice nobody verified runs (Family.observe, AutoPolicy._decide)
+    L = 3
+    for seed in range(6):
+        rng = random.Random(seed)
+        meter = _verifying_meter(L, lambda k: 1.15 if k else 1.0)
+        clean = meter.step_time
+        meter.step_time = lambda n, k, clean=clean, rng=rng: clean(n, k) * rng.uniform(0.75, 1.25)
+        runs = _settle(meter, L, 40)
+        chosen = [len(r["chosen"]) for r in runs[1:]]
+        settled = next((i for i, r in enumerate(runs) if r["phase"] == "settled"), None)
+        assert settled is not None and settled <= 30, (seed, chosen)
+        nones = sum(r["step"] == "none" for r in runs[:settled])
+        assert nones <= L * _auto_policy.VERIFY_STEPS, (seed, nones, chosen)
+        assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
