@@ -471,6 +471,7 @@ def test_cli_plan_flags(capsys) -> None:
 def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeypatch) -> None:
     """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
     applied and measured; one whose measured peak exceeds the budget is passed over."""
+    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
     monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
@@ -512,6 +513,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     fails, the plan tried next is the fastest predicted to fit with half that much room
     (not the next of the first ranking, which may sit just as close to the budget);
     after a second miss, with all of it, and that one fits."""
+    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
     monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=5, bps=1e15)
@@ -547,6 +549,7 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
 def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     """An error so large that no plan is predicted to fit with room for it (one plan's
     error, not every plan's): the next plan tried is the next of the first ranking."""
+    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
     monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
     monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
     c = _costs(L=4, bps=1e15)
@@ -572,6 +575,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     over the model's choice); a faster plan over the budget is not re-measured or kept,
     a rival that only measured fast once loses, and plans predicted further away are
     not measured at all."""
+    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
     monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)  # the rivals part only
     c = _costs(L=6, bps=20e9)
     budget = c.memory(["keep"] * 6) * 0.55
@@ -812,6 +816,56 @@ def test_checkpoint_offload_sends_only_the_inputs() -> None:
     loss.backward()
     assert p.offloader.stats.bytes_reloaded == stats.bytes_offloaded
     p.remove()
+
+
+def test_verification_charges_an_excess_to_offloading(monkeypatch) -> None:
+    """A plan that offloads and measures slower than predicted by more than
+    VERIFY_EXCESS (the host's work for offloaded tensors, which the model leaves out)
+    makes the verification measure the fastest plan predicted with that excess charged
+    to offloading; the faster of the two measured is kept. Within VERIFY_EXCESS nothing
+    more is measured."""
+    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
+    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)
+    c = _costs(L=6, bps=1000e9)  # the link hides every copy
+    budget = c.memory(["keep"] * 6) * 0.55
+    first = _search.candidates(c, budget)[0][1]
+    assert sum(x in OFFLOADED for x in first) >= 2, first
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
+    base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
+    tried: list[list[str]] = []
+    apply = Plan.apply
+
+    def recording_apply(self, model=None):
+        tried.append(list(self.levers))
+        return apply(self, model)
+
+    def measured_with(host: float):
+        """Steps as the model predicts them plus ``host`` seconds per offloaded layer's
+        worth of bytes."""
+
+        def fake_run(step_fn, steps, warmup):
+            levers = tried[-1]
+            t = c.seconds(levers) + host * sum(c.share(x) for x in levers if x in OFFLOADED)
+            return {"seconds": t, "peak_bytes": c.memory(levers), "times": [t] * steps}
+
+        return fake_run
+
+    monkeypatch.setattr(Plan, "apply", recording_apply)
+    monkeypatch.setattr(_verify, "measure_step", measured_with(4e-3))
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    checks = got.measured["checks"]
+    assert checks[0]["levers"] == first and checks[1].get("corrected") is True
+    fixed = checks[1]["levers"]
+    assert sum(x in OFFLOADED for x in fixed) < sum(x in OFFLOADED for x in first), fixed
+    assert checks[1]["measured_seconds"] < checks[0]["measured_seconds"]
+    assert got.levers == fixed
+    # an excess within VERIFY_EXCESS: the model's choice alone
+    tried.clear()
+    small = 0.5 * _verify.VERIFY_EXCESS * c.seconds(first)
+    small /= sum(c.share(x) for x in first if x in OFFLOADED)
+    monkeypatch.setattr(_verify, "measure_step", measured_with(small))
+    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert tried == [first] and got.levers == first
 
 
 def _raw_memory_by_definition(c: PlanCosts, levers: list[str]) -> float:

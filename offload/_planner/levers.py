@@ -1,8 +1,9 @@
 """The levers a plan assigns to layers, and the recompute levers' wrapped forward.
 
 ``keep`` and ``offload`` need nothing here (the offloader does the offloading); the five
-recompute levers run the layer's forward under ``torch.utils.checkpoint``
-(:class:`Recompute`), the selective ones through a pair of dispatch modes that keep the
+recompute levers wrap the layer's forward (:class:`Recompute`): the full ones in
+:func:`offload._planner.recompute.recompute`, the selective ones in
+``torch.utils.checkpoint`` through a pair of dispatch modes that keep the
 outputs of matrix products and attention (:class:`KeepOutputs`,
 :class:`RecomputeFromKept`) and learn which of them no recompute uses (:class:`KeptKeys`).
 A recompute lever whose layer the offloader handles sends what the checkpoint saves
@@ -19,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload._handles import Kept, Raw, unpack_hook
+from offload._planner.recompute import recompute
 
 __all__ = [
     "DEFAULT_LEVERS",
@@ -248,9 +250,10 @@ class RecomputeFromKept(TorchDispatchMode):
 
 
 class Recompute:
-    """A layer's forward run under ``torch.utils.checkpoint`` (non-reentrant): full
-    (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
-    handles, so the inputs the checkpoint saves travel), or selective (``selective``:
+    """A layer's forward with its intermediate tensors recomputed in the backward: full
+    (``checkpoint``, Note [full recompute] in ``recompute.py``; ``checkpoint_offload`` is
+    the same wrapper on a layer the offloader handles, so the inputs the recompute saves
+    travel), or selective under ``torch.utils.checkpoint``, non-reentrant (``selective``:
     the kept outputs stay on the device; ``selective_offload_inputs``: the same on a
     layer the offloader handles, so only its inputs travel; ``selective_offload``: the
     kept outputs go to ``offloader`` too, entered around the forward) through
@@ -272,6 +275,7 @@ class Recompute:
         self.had_attr = "forward" in module.__dict__
         self.previous = module.__dict__.get("forward")
         self.inner = module.forward
+        self.name = type(module).__name__
         module.forward = self  # type: ignore[method-assign]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -279,10 +283,11 @@ class Recompute:
 
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        extra: dict[str, Any] = {}
-        if RECOMPUTE_KIND[self.lever] == "selective":
-            extra["context_fn"] = self._selective_context
-        return checkpoint(self.inner, *args, use_reentrant=False, **extra, **kwargs)
+        if RECOMPUTE_KIND[self.lever] == "checkpoint":
+            return recompute(self.inner, self.name, *args, **kwargs)
+        return checkpoint(
+            self.inner, *args, use_reentrant=False, context_fn=self._selective_context, **kwargs
+        )
 
     def _selective_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """``context_fn`` of the selective levers: a fresh storage per layer call. The

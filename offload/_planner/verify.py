@@ -9,6 +9,7 @@ through.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -17,7 +18,7 @@ import torch
 
 from offload import _measure
 from offload._planner.costs import PlanCosts
-from offload._planner.levers import SHORT, summary
+from offload._planner.levers import OFFLOADED, SHORT, summary
 from offload._planner.search import candidates, single_levers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "VERIFY_CANDIDATES",
     "VERIFY_CLOSE",
+    "VERIFY_EXCESS",
     "VERIFY_GAIN",
     "VERIFY_RIVALS",
     "VERIFY_ROUNDS",
@@ -56,6 +58,14 @@ VERIFY_ROUNDS = 2
 #: ... and a rival replaces the model's choice only when its pooled median is at least
 #: this fraction faster (about the spread of one plan's pooled medians between runs).
 VERIFY_GAIN = 0.01
+
+#: When the plan that fits offloads and measures more than this fraction slower than
+#: predicted, the excess is taken for the host's work for offloaded tensors, which the
+#: model leaves out (on a step the host paces it costs device time): it is spread over
+#: the plan's offloaded layers by the share of their bytes each sends, added to every
+#: layer's offloading cost (``PlanCosts.offload_s``), and the fastest plan predicted
+#: with those costs is measured too (``"corrected": True``).
+VERIFY_EXCESS = 0.03
 
 #: Whether the verification measures the single-lever plans that fit
 #: (:func:`~offload._planner.search.single_levers`) and takes the fastest of them when
@@ -112,7 +122,9 @@ def verified(
     tensors and selective layers, which costs device time at a step's start, when no
     device work is queued), so plans it ranks within a few percent can measure in
     another order. The next :data:`VERIFY_RIVALS` plans of the same ranking predicted
-    within :data:`VERIFY_CLOSE` of the one that fits are measured too.
+    within :data:`VERIFY_CLOSE` of the one that fits are measured too, and when the
+    one that fits offloads and measured slower than predicted (:data:`VERIFY_EXCESS`),
+    the fastest plan predicted with that excess charged to offloading.
 
     Then the guarantee (:data:`VERIFY_SINGLE`). Every single-lever plan predicted to fit
     (:func:`~offload._planner.search.single_levers`) is measured; the fastest that
@@ -125,7 +137,8 @@ def verified(
     single lever replaces the plan whenever its pooled median is lower.
 
     Without ``step_fn`` the model's choice is returned unchecked. Every measurement is
-    in the returned checks (``"rival": True`` for the second part; ``"single"``: the
+    in the returned checks (``"rival": True`` or ``"corrected": True`` for the second
+    part; ``"single"``: the
     name of the single lever for the third; ``"times"``: every measured step;
     ``"pooled_seconds"``: the median of those, for the plans measured in rounds)."""
     ranked = candidates(costs, limit, allowed)
@@ -190,6 +203,9 @@ class _Verification:
                 check = self.trial(predicted, levers, rival=True)
                 if check["fits"]:
                     fitting.append(check)
+            check = self.corrected(chosen)
+            if check is not None and check["fits"]:
+                fitting.append(check)
         single = self.best_single() if VERIFY_SINGLE else None
         if chosen is None:
             if single is None:
@@ -241,6 +257,27 @@ class _Verification:
             misses += 1
             margin = max(margin, check["measured_bytes"] - check["predicted_bytes"])
         return None, ranked, margin
+
+    def corrected(self, chosen: dict[str, Any]) -> dict[str, Any] | None:
+        """The check of the fastest plan predicted with the offloading cost that
+        ``chosen``'s excess over its prediction implies (:data:`VERIFY_EXCESS`), or
+        ``None`` when there is no such excess or that plan was measured already."""
+        costs = self.costs
+        weight = sum(costs.share(x) for x in chosen["levers"] if x in OFFLOADED)
+        excess = chosen["measured_seconds"] - chosen["predicted_seconds"]
+        if weight <= 0 or excess <= VERIFY_EXCESS * chosen["predicted_seconds"]:
+            return None
+        extra = excess / weight  # seconds per layer's worth of offloaded bytes
+        base = costs.offload_s or (0.0,) * costs.num_layers
+        costs = dataclasses.replace(costs, offload_s=tuple(s + extra for s in base))
+        try:
+            ranked = candidates(costs, self.limit, self.allowed)
+        except ValueError:
+            return None
+        todo = [(t, levers) for t, levers in ranked if tuple(levers) not in self.tried]
+        if not todo:
+            return None
+        return self.trial(*todo[0], corrected=True)
 
     def best_single(self) -> dict[str, Any] | None:
         """The guarantee: every single-lever plan predicted to fit, measured (those not

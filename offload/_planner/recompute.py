@@ -1,0 +1,180 @@
+"""The full recompute of the ``checkpoint`` and ``checkpoint_offload`` levers.
+
+Note [full recompute]
+~~~~~~~~~~~~~~~~~~~~~
+Torch's non-reentrant checkpoint builds the layer's autograd graph in the forward, runs a
+Python hook for each tensor the layer saves there, and again for each in the recompute.
+On a model whose step the host paces (a decoder layer of Hugging Face Llama saves about
+40 tensors) that machinery costs more host time than the recompute costs the device, and
+the device waits. So the full recompute follows torch's reentrant scheme:
+
+1. *Forward.* One autograd Function runs the layer's forward without a graph. Its saved
+   tensors are the call's positional tensor arguments (nested in pytree containers too),
+   as torch's checkpoint saves them: the offloader's saved-tensor hooks see them
+   (``checkpoint_offload`` sends them), and autograd's version counter catches one
+   modified in place before the backward. Tensors passed by keyword are held by the
+   call, as torch's checkpoint holds them (in a decoder, tables and masks every layer
+   shares: sending them would copy the same bytes once per layer). With no argument that requires grad,
+   an empty leaf that does still connects the outputs to the graph (the layer's
+   parameters need their gradients). The CPU RNG state, that of each CUDA
+   device an argument lives on, and the autocast state are recorded.
+2. *Backward.* The Function's backward restores them in a forked RNG (the caller's RNG
+   is left as it was), runs the forward again with grad enabled on detached arguments,
+   and backpropagates the output gradients through that graph with
+   ``torch.autograd.backward``: every leaf the layer reads (its parameters or any
+   other) accumulates its gradient as in a step without levers, and the arguments'
+   gradients are returned to the outer graph. The values are those of the step without
+   levers, bit for bit, wherever the layer's kernels are deterministic.
+3. *Limits.* A nested backward cannot hand leaf gradients to ``torch.autograd.grad`` or
+   to ``backward(inputs=...)``: the backward raises ``RuntimeError`` there (torch's
+   ``_is_checkpoint_valid``), naming the fix. While ``torch.compile`` traces the layer,
+   torch's non-reentrant checkpoint runs instead (the compiler traces it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["recompute"]
+
+
+def _split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The tensors of ``tree`` and a spec that :func:`_join` fills with others."""
+    flat, spec = pytree.tree_flatten(tree)
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    leaves = [flat[i] for i in where]
+    for i in where:
+        flat[i] = None  # the spec holds no tensor
+    return (spec, flat, where), leaves
+
+
+def _join(spec: Any, leaves: Any) -> Any:
+    tree, flat, where = spec
+    flat = list(flat)
+    for i, t in zip(where, leaves):
+        flat[i] = t
+    return pytree.tree_unflatten(flat, tree)
+
+
+class _Call:
+    """What one call's backward needs besides its saved arguments (Note [full
+    recompute], 1)."""
+
+    __slots__ = (
+        "fn", "spec", "saved", "held", "out_spec", "outputs", "cpu_rng", "cuda_rng", "autocast",
+        "name",
+    )  # fmt: skip
+
+    def __init__(
+        self, fn: Callable[..., Any], spec: Any, leaves: list[torch.Tensor], saved: int, name: str
+    ):
+        self.fn = fn
+        self.spec = spec
+        self.saved = saved  # leaves[:saved] are saved, the others held
+        self.held: tuple[torch.Tensor, ...] = ()
+        self.name = name
+        self.out_spec: Any = None
+        self.outputs = 0
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng: dict[torch.device, torch.Tensor] = {}
+        for t in leaves:
+            if t.is_cuda and t.device not in self.cuda_rng:
+                self.cuda_rng[t.device] = torch.cuda.get_rng_state(t.device)
+        states = [
+            (kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+            for kind in ("cpu", "cuda")
+            if torch.is_autocast_enabled(kind)
+        ]
+        self.autocast = states
+
+    def replay(self) -> contextlib.ExitStack:
+        """The RNG (forked) and autocast states of the forward, for the recompute."""
+        stack = contextlib.ExitStack()
+        devices = list(self.cuda_rng)
+        stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in self.cuda_rng.items():
+            torch.cuda.set_rng_state(state, device)
+        enabled = {kind for kind, _, _ in self.autocast}
+        for kind, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        for kind in ("cpu", "cuda"):
+            if kind not in enabled and torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        return stack
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, anchor: Any, *leaves: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.call = call
+        ctx.save_for_backward(*leaves[: call.saved])
+        call.held = leaves[call.saved :]
+        args, kwargs = _join(call.spec, leaves)
+        out_spec, outs = _split(call.fn(*args, **kwargs))
+        call.out_spec, call.outputs = out_spec, len(outs)
+        integral = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if integral:
+            ctx.mark_non_differentiable(*integral)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        call: _Call = ctx.call
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                f"offload: the full recompute of layer {call.name} (lever 'checkpoint' or "
+                "'checkpoint_offload') runs a nested backward, which cannot hand leaf "
+                "gradients to torch.autograd.grad or backward(inputs=...); call "
+                "loss.backward() without inputs, or plan without these levers "
+                "(levers=[...] without 'checkpoint' and 'checkpoint_offload')"
+            )
+        leaves = (*ctx.saved_tensors, *call.held)
+        call.held = ()
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+        args, kwargs = _join(call.spec, inputs)
+        with call.replay(), torch.enable_grad():
+            out = call.fn(*args, **kwargs)
+        _, outs = _split(out)
+        if len(outs) != call.outputs:
+            raise RuntimeError(
+                f"offload: the recompute of layer {call.name} returned {len(outs)} tensors "
+                f"where its forward returned {call.outputs}; its forward must compute the "
+                "same outputs when run again"
+            )
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+_ANCHOR: list[torch.Tensor] = []
+
+
+def _anchor() -> torch.Tensor:
+    """An empty CPU leaf that requires grad (one per process; never saved)."""
+    if not _ANCHOR:
+        _ANCHOR.append(torch.empty(0, requires_grad=True))
+    return _ANCHOR[0]
+
+
+def recompute(fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its intermediate tensors recomputed in the backward
+    (Note [full recompute]). ``name`` names the layer in errors."""
+    spec, leaves = _split((args, kwargs))
+    saved = sum(1 for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor))  # first
+    if torch.compiler.is_compiling() or any(t.device.type not in ("cpu", "cuda") for t in leaves):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    call = _Call(fn, spec, leaves, saved, name)
+    # with no argument that requires grad, the anchor still connects the outputs to the
+    # graph, so that the layer's parameters get their gradients
+    anchor = None if any(t.requires_grad for t in leaves) else _anchor()
+    outs = _Recompute.apply(call, anchor, *leaves)
+    return _join(call.out_spec, outs)

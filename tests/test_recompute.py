@@ -1,0 +1,148 @@
+"""The full recompute of the ``checkpoint`` levers (Note [full recompute] in
+``offload/_planner/recompute.py``): bitwise-equal gradients with keyword arguments, any
+output structure, dropout, autocast and inputs that need no gradient; its errors; and
+what it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload._planner.levers import Recompute
+from offload._planner.recompute import recompute
+
+
+class _Block(torch.nn.Module):
+    """A layer that takes tensors by keyword and in a tuple, draws dropout, and returns a
+    nested structure with an integer tensor and a non-tensor."""
+
+    def __init__(self, width: int = 16, p: float = 0.0) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(width, 4 * width)
+        self.b = torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x, *, scale=None, pair=(None, None)):
+        h = self.drop(torch.nn.functional.gelu(self.a(x)))
+        y = x + self.b(h) * scale
+        cos, sin = pair
+        y = y * cos + sin
+        return y, {"index": torch.argmax(y, dim=-1), "note": "kept"}
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, wrap: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.grad = None
+    w = Recompute(model, "checkpoint") if wrap else None
+    try:
+        scale = torch.full((1,), 0.5, requires_grad=True)  # by keyword, needs its gradient
+        pair = (torch.rand(x.shape[-1]) + 0.5, torch.rand(x.shape[-1]))
+        y, extra = model(x, scale=scale, pair=pair)
+        assert extra["note"] == "kept" and extra["index"].dtype == torch.int64
+        assert not extra["index"].requires_grad
+        y.square().sum().backward()
+        after = torch.rand(3)  # the RNG after the step: the recompute leaves it as it was
+    finally:
+        if w is not None:
+            w.remove()
+    return [p.grad.clone() for p in model.parameters()] + [scale.grad], after
+
+
+@pytest.mark.parametrize("needs_grad", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_bitwise_with_keywords_nested_outputs_and_dropout(needs_grad: bool, p: float) -> None:
+    torch.manual_seed(1)
+    model = _Block(p=p).train()
+    x = torch.randn(4, 8, 16, requires_grad=needs_grad)
+    want, rng_want = _run(model, x, wrap=False)
+    x_grad = None if x.grad is None else x.grad.clone()
+    x.grad = None
+    got, rng_got = _run(model, x, wrap=True)
+    # without an input that needs grad the parameters still get theirs (the anchor)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert torch.equal(rng_want, rng_got)
+    if needs_grad:
+        assert torch.equal(x_grad, x.grad)
+
+
+def test_bitwise_under_autocast() -> None:
+    torch.manual_seed(2)
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = _run(model, x, wrap=False)
+        got, _ = _run(model, x, wrap=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_forward_keeps_no_graph_and_saves_only_the_positional_arguments() -> None:
+    """What the call saves goes through the saved-tensor hooks: its positional tensor
+    arguments (so an offloader sends what the recompute needs), nothing of the layer's
+    inside; tensors passed by keyword are held, as torch's checkpoint holds them."""
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    scale, cos, sin = torch.ones(1), torch.ones(16), torch.zeros(16)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = recompute(model.forward, "_Block", x, scale=scale, pair=(cos, sin))
+    assert [id(t) for t in saved] == [id(x)]
+    assert type(y.grad_fn).__name__ == "_RecomputeBackward"
+    y.sum().backward()
+    assert model.a.weight.grad is not None
+
+
+def test_in_place_change_of_an_argument_is_caught() -> None:
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    h = x * 1.0
+    y, _ = recompute(
+        model.forward, "_Block", h, scale=torch.ones(1), pair=(torch.ones(16), torch.zeros(16))
+    )
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_autograd_grad_raises_naming_the_lever() -> None:
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    y, _ = recompute(
+        model.forward, "_Block", x, scale=torch.ones(1), pair=(torch.ones(16), torch.zeros(16))
+    )
+    with pytest.raises(RuntimeError, match="'checkpoint'.*loss.backward"):
+        torch.autograd.grad(y.sum(), [x])
+
+
+def test_without_grad_the_layer_runs_plainly() -> None:
+    model = _Block()
+    w = Recompute(model, "checkpoint")
+    try:
+        with torch.no_grad():
+            y, _ = model(
+                torch.randn(2, 16), scale=torch.ones(1), pair=(torch.ones(16), torch.zeros(16))
+            )
+        assert y.grad_fn is None
+    finally:
+        w.remove()
+    assert "forward" not in model.__dict__
+
+
+def test_under_compile_torch_checkpoint_traces_it() -> None:
+    """While ``torch.compile`` traces the layer, torch's non-reentrant checkpoint runs
+    (the compiler knows it); gradients stay those of the eager step."""
+    torch.manual_seed(3)
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    want, _ = _run(model, x, wrap=False)
+    model.compile(backend="aot_eager", fullgraph=False)
+    try:
+        got, _ = _run(model, x, wrap=True)
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
