@@ -146,3 +146,22 @@ def test_under_compile_torch_checkpoint_traces_it() -> None:
     finally:
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_retained_graph_recomputes_at_each_backward() -> None:
+    torch.manual_seed(4)
+    model = _Block()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    kw = {"scale": torch.full((1,), 0.5), "pair": (torch.ones(16), torch.zeros(16))}
+    grads = []
+    for wrap in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        w = Recompute(model, "checkpoint") if wrap else None
+        y, _ = model(x, **kw)
+        y.sum().backward(retain_graph=True)
+        y.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if w is not None:
+            w.remove()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

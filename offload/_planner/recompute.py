@@ -27,7 +27,8 @@ the device waits. So the full recompute follows torch's reentrant scheme:
    levers, bit for bit, wherever the layer's kernels are deterministic.
 3. *Limits.* A nested backward cannot hand leaf gradients to ``torch.autograd.grad`` or
    to ``backward(inputs=...)``: the backward raises ``RuntimeError`` there (torch's
-   ``_is_checkpoint_valid``), naming the fix. While ``torch.compile`` traces the layer,
+   ``_is_checkpoint_valid``), naming the fix; nor does it build a graph of the
+   gradients (no double backward). While ``torch.compile`` traces the layer,
    torch's non-reentrant checkpoint runs instead (the compiler traces it).
 """
 
@@ -134,8 +135,7 @@ class _Recompute(torch.autograd.Function):
                 "loss.backward() without inputs, or plan without these levers "
                 "(levers=[...] without 'checkpoint' and 'checkpoint_offload')"
             )
-        leaves = (*ctx.saved_tensors, *call.held)
-        call.held = ()
+        leaves = (*ctx.saved_tensors, *call.held)  # held until the graph is freed
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
         args, kwargs = _join(call.spec, inputs)
         with call.replay(), torch.enable_grad():
