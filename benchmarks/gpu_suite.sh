@@ -20,7 +20,7 @@
 #   weights    weights.json and weights_example.log (examples/weights.py)
 #   moe        moe_wgrad.json (fused fp32 weight-gradient accumulation of MoE experts)
 #   hfllama    hf_llama_1b.json (examples/hf_llama.py --size 1b)
-#   ckpt       checkpoint.json and checkpoint_hf.json
+#   ckpt       checkpoint.json, recompute_host.json and checkpoint_hf.json
 #   codec      codec.json (the fp8 codec alone) and codec_share.json (its share of a step)
 #   compress   compress_accuracy_ref8l.json and compress_accuracy.json (fp8 accuracy)
 #   graphs     tests/test_graphs_cuda.py, then graphs_tiny48.json and graphs_ref8l.json
@@ -71,6 +71,8 @@ for part in $parts; do
              2>&1 | tail -12 ;;
     ckpt) timeout 300 python3 $B/checkpoint/bench_checkpoint.py --out "$OUT/checkpoint.json" \
              2>&1 | tail -25
+          timeout 200 python3 $B/diagnostics/recompute_host.py --out "$OUT/recompute_host.json" \
+             2>&1 | tail -7
           timeout 300 python3 $B/checkpoint/bench_checkpoint_hf.py --out "$OUT/checkpoint_hf.json" \
              2>&1 | tail -12 ;;
     codec) timeout 120 python3 $B/compress/bench_codec.py --out "$OUT/codec.json" 2>&1 | tail -20

@@ -692,7 +692,7 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     """``offload.plan``'s own logic on the CPU: the measuring configurations in order,
     the fit, the search and the verification, with device times and peaks injected
     (the GPU run of the same path is tests/test_planner_cuda.py)."""
-    inject_measurements(monkeypatch, [1000.0, 1000.0, 500.0, 800.0, 400.0] + [450.0] * 30)
+    inject_measurements(monkeypatch, [1000.0, 1000.0, 500.0, 800.0, 800.0, 400.0] + [450.0] * 30)
     model = _ref_model()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 32, 64)
@@ -705,7 +705,11 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         steps=2,
     )
     configs = chosen.measured["configs"]
-    assert list(configs) == ["none", "offload", "selective", "checkpoint"]
+    assert list(configs) == [
+        "none", "offload", "selective", "checkpoint", "checkpoint (non_reentrant)",
+        "checkpoint (reentrant)",
+    ]  # fmt: skip
+    assert configs["checkpoint"]["recompute"] == chosen.recompute == "non_reentrant"  # a tie
     assert chosen.budget_bytes == 500.0 and chosen.costs.activation_bytes == 1000
     assert chosen.predicted_bytes <= chosen.budget_bytes
     checks = chosen.measured["checks"]
@@ -723,6 +727,45 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         _assert_same(_step(ref, x), _step(model, x))
     finally:
         chosen.remove()
+
+
+@pytest.mark.parametrize("faster", ["reentrant", "non_reentrant"])
+def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str) -> None:
+    """``offload.plan`` measures checkpointing every layer by each scheme of RECOMPUTES
+    and plans with the faster; every plan it measures and returns uses that scheme."""
+    inject_measurements(monkeypatch, [])
+    model = _ref_model()
+    x = torch.randn(2, 32, 64)
+    seen: list[str] = []
+
+    def fake_run(step_fn, steps, warmup):
+        for _ in range(steps + warmup):
+            step_fn()
+        schemes = {
+            w.recompute
+            for w in (layer.__dict__.get("forward") for layer in model.layers)
+            if isinstance(w, _levers.Recompute) and w.lever == "checkpoint"
+        }
+        seen.extend(schemes)
+        t = 0.009 if faster in schemes else 0.01
+        return {"seconds": t, "peak_bytes": 300.0 if schemes else 1000.0, "times": [t] * steps}
+
+    monkeypatch.setattr(_verify, "measure_step", fake_run)
+    chosen = offload.plan(
+        lambda: model.loss(x).backward(),
+        model.layers,
+        budget=0.5,
+        model=model,
+        min_tensor_bytes=0,
+        steps=1,
+        levers=["keep", "checkpoint"],
+    )
+    assert chosen.recompute == faster
+    assert chosen.measured["configs"]["checkpoint"]["recompute"] == faster
+    assert seen[:2] == ["non_reentrant", "reentrant"] and set(seen[2:]) == {faster}
+    assert chosen.to_dict()["recompute"] == faster
+    with pytest.raises(ValueError, match="recompute must be one of 'non_reentrant', 'reentrant'"):
+        offload.Plan(model.layers, ["keep"] * 4, recompute="fast")
 
 
 def test_selective_offload_sends_only_what_selective_keeps() -> None:

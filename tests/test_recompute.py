@@ -34,9 +34,10 @@ def _run(model: torch.nn.Module, x: torch.Tensor, wrap: bool, seed: int = 0):
     torch.manual_seed(seed)
     for p in model.parameters():
         p.grad = None
-    w = Recompute(model, "checkpoint") if wrap else None
+    w = Recompute(model, "checkpoint", recompute="reentrant") if wrap else None
     try:
-        scale = torch.full((1,), 0.5, requires_grad=True)  # by keyword, needs its gradient
+        # by keyword; needs its gradient where x does (else no argument needs one)
+        scale = torch.full((1,), 0.5, requires_grad=x.requires_grad)
         pair = (torch.rand(x.shape[-1]) + 0.5, torch.rand(x.shape[-1]))
         y, extra = model(x, scale=scale, pair=pair)
         assert extra["note"] == "kept" and extra["index"].dtype == torch.int64
@@ -46,7 +47,8 @@ def _run(model: torch.nn.Module, x: torch.Tensor, wrap: bool, seed: int = 0):
     finally:
         if w is not None:
             w.remove()
-    return [p.grad.clone() for p in model.parameters()] + [scale.grad], after
+    grads = [p.grad.clone() for p in model.parameters()]
+    return grads + ([scale.grad] if scale.requires_grad else []), after
 
 
 @pytest.mark.parametrize("needs_grad", [True, False])
@@ -121,7 +123,7 @@ def test_autograd_grad_raises_naming_the_lever() -> None:
 
 def test_without_grad_the_layer_runs_plainly() -> None:
     model = _Block()
-    w = Recompute(model, "checkpoint")
+    w = Recompute(model, "checkpoint", recompute="reentrant")
     try:
         with torch.no_grad():
             y, _ = model(
@@ -157,7 +159,7 @@ def test_a_retained_graph_recomputes_at_each_backward() -> None:
     for wrap in (False, True):
         for p in model.parameters():
             p.grad = None
-        w = Recompute(model, "checkpoint") if wrap else None
+        w = Recompute(model, "checkpoint", recompute="reentrant") if wrap else None
         y, _ = model(x, **kw)
         y.sum().backward(retain_graph=True)
         y.sum().backward()

@@ -7,8 +7,8 @@ Command (one H200, about a minute)::
 
 Configurations, each on every decoder layer or on the first ``--some`` of them:
 no lever; Hugging Face gradient checkpointing (``torch.utils.checkpoint``,
-non-reentrant); ``offload.Plan`` with ``checkpoint`` (Note [full recompute] in
-``offload/_planner/recompute.py``) and with ``checkpoint_offload``. ``--rounds`` rounds
+non-reentrant); ``offload.Plan`` with ``checkpoint`` and with ``checkpoint_offload``, both
+``recompute="reentrant"`` (Note [full recompute] in ``offload/_planner/recompute.py``). ``--rounds`` rounds
 of blocks of ``--steps`` steps (one warm-up step per block), each round in the reverse
 order of the one before. Per configuration: the median device ms (CUDA events after a
 synchronisation), the median host ms (from the call to the return of ``backward()``,
@@ -73,7 +73,7 @@ def configs(model: Any, some: int) -> dict[str, Callable[[], Callable[[], None]]
 
     def plan(lever: str, n: int) -> Callable[[], Callable[[], None]]:
         def install() -> Callable[[], None]:
-            p = offload.Plan(layers, [lever] * n + ["keep"] * (L - n))
+            p = offload.Plan(layers, [lever] * n + ["keep"] * (L - n), recompute="reentrant")
             return p.apply(model).remove
 
         return install

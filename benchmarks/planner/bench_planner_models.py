@@ -163,9 +163,15 @@ def block(step: Callable[[], None], args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def with_levers(levers: Sequence[str], layers: list[Any], model: Any, case: Case, args):
-    """Apply a plan of ``levers``; returns the function that removes it."""
-    p = offload.Plan(layers, levers, compress=case.compress, min_tensor_bytes=args.min_bytes)
+def with_levers(
+    levers: Sequence[str], layers: list[Any], model: Any, case: Case, args, recompute: str
+):
+    """Apply a plan of ``levers`` (its full recompute by ``recompute``, the scheme
+    ``offload.plan`` measured faster); returns the function that removes it."""
+    p = offload.Plan(
+        layers, levers, compress=case.compress, min_tensor_bytes=args.min_bytes,
+        recompute=recompute,
+    )  # fmt: skip
     return p.apply(model).remove
 
 
@@ -260,12 +266,15 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     costs = base.costs
     out["costs"] = costs.to_dict()
     out["measured_configs"] = base.measured.get("configs")
+    out["recompute"] = base.recompute
     reference = costs.activation_bytes
 
     singles: dict[str, dict[str, Any]] = {}
     for name, levers in single_levers(costs):
         row = measure_config(
-            lambda lv=levers: with_levers(lv, layers, model, case, args), step, args
+            lambda lv=levers: with_levers(lv, layers, model, case, args, base.recompute),
+            step,
+            args,
         )
         singles[name] = row | {"levers": levers}
     if case.model == "llama":
@@ -315,7 +324,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         configs["plan"] = lambda p=chosen: (p.apply(model), p.remove)[1]
         if best is not None and fits[best]["levers"] != chosen.levers:
             configs["single"] = lambda lv=fits[best]["levers"]: with_levers(
-                lv, layers, model, case, args
+                lv, layers, model, case, args, base.recompute
             )
         ab = alternating(configs, step, args)
         row["ab"] = ab

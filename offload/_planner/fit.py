@@ -27,6 +27,7 @@ from offload import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
+from offload._planner.recompute import RECOMPUTES
 from offload._timeline import Recorder
 
 __all__ = ["COST_STEPS", "Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
@@ -47,6 +48,8 @@ class Measured:
             (``None`` when it was not measured).
         moments: ``(W, H)`` measured at each moment of the step without levers
             (:func:`memory_moments`), or ``None``.
+        recompute: the scheme of the full recompute (``RECOMPUTES``) whose every-layer
+            step measured faster; ``configs["checkpoint"]`` is its measurement.
     """
 
     configs: dict[str, dict[str, Any]]
@@ -59,6 +62,7 @@ class Measured:
     gap_s: float
     learnt: list[KeptKeys] | None = None
     moments: tuple[int, int] | None = None
+    recompute: str = "non_reentrant"
 
 
 @contextlib.contextmanager
@@ -223,16 +227,23 @@ def measure_configs(
             ratio = stats.bytes_offloaded / moved
             link = [int(s * ratio) for s in saved]
     learnt: list[KeptKeys] | None = None
-    for lever in ("selective", "checkpoint"):
-        if any(RECOMPUTE_KIND.get(x) == lever for x in allowed):
-            wrappers = [Recompute(layer, lever) for layer in layers]
-            try:
-                configs[lever] = verify.measure_step(step_fn, steps, warmup)
-            finally:
-                for w in reversed(wrappers):
-                    w.remove()
-            if lever == "selective":
-                learnt = [w.kept for w in wrappers]
+    if any(RECOMPUTE_KIND.get(x) == "selective" for x in allowed):
+        configs["selective"], wrappers = _with_recompute(
+            step_fn, layers, "selective", steps, warmup
+        )
+        learnt = [w.kept for w in wrappers]
+    recompute = "non_reentrant"
+    if any(RECOMPUTE_KIND.get(x) == "checkpoint" for x in allowed):
+        # both schemes of the full recompute; the faster is the plan's (Note [full
+        # recompute] in recompute.py: neither wins everywhere)
+        schemes = {
+            scheme: _with_recompute(step_fn, layers, "checkpoint", steps, warmup, scheme)[0]
+            for scheme in RECOMPUTES
+        }
+        recompute = min(schemes, key=lambda k: schemes[k]["seconds"])
+        configs["checkpoint"] = {**schemes[recompute], "recompute": recompute}
+        for scheme, got in schemes.items():
+            configs[f"checkpoint ({scheme})"] = got
     return Measured(
         configs=configs,
         forward_s=[float(c["forward_s"]) for c in auto["costs"]],
@@ -244,7 +255,25 @@ def measure_configs(
         gap_s=float(auto.get("gap_s", 0.0)),
         learnt=learnt,
         moments=moments,
+        recompute=recompute,
     )
+
+
+def _with_recompute(
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    lever: str,
+    steps: int,
+    warmup: int,
+    recompute: str = "non_reentrant",
+) -> tuple[dict[str, Any], list[Recompute]]:
+    """``measure_step`` with ``lever`` on every layer; the wrappers (removed)."""
+    wrappers = [Recompute(layer, lever, recompute=recompute) for layer in layers]
+    try:
+        return verify.measure_step(step_fn, steps, warmup), wrappers
+    finally:
+        for w in reversed(wrappers):
+            w.remove()
 
 
 def _fit(f: Callable[[float], float], target: float, hi: float) -> float:

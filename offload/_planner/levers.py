@@ -2,8 +2,8 @@
 
 ``keep`` and ``offload`` need nothing here (the offloader does the offloading); the five
 recompute levers wrap the layer's forward (:class:`Recompute`): the full ones in
-:func:`offload._planner.recompute.recompute`, the selective ones in
-``torch.utils.checkpoint`` through a pair of dispatch modes that keep the
+``torch.utils.checkpoint`` or :func:`offload._planner.recompute.recompute` (the
+plan's ``recompute``), the selective ones in ``torch.utils.checkpoint`` through a pair of dispatch modes that keep the
 outputs of matrix products and attention (:class:`KeepOutputs`,
 :class:`RecomputeFromKept`) and learn which of them no recompute uses (:class:`KeptKeys`).
 A recompute lever whose layer the offloader handles sends what the checkpoint saves
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload._handles import Kept, Raw, unpack_hook
-from offload._planner.recompute import recompute
+from offload._planner.recompute import check_recompute, recompute
 
 __all__ = [
     "DEFAULT_LEVERS",
@@ -251,9 +251,11 @@ class RecomputeFromKept(TorchDispatchMode):
 
 class Recompute:
     """A layer's forward with its intermediate tensors recomputed in the backward: full
-    (``checkpoint``, Note [full recompute] in ``recompute.py``; ``checkpoint_offload`` is
-    the same wrapper on a layer the offloader handles, so the inputs the recompute saves
-    travel), or selective under ``torch.utils.checkpoint``, non-reentrant (``selective``:
+    (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
+    handles, so the inputs the recompute saves travel) by torch's non-reentrant
+    checkpoint or, with ``recompute="reentrant"``, by the reentrant scheme (Note [full
+    recompute] in ``recompute.py``), or selective under torch's non-reentrant
+    checkpoint (``selective``:
     the kept outputs stay on the device; ``selective_offload_inputs``: the same on a
     layer the offloader handles, so only its inputs travel; ``selective_offload``: the
     kept outputs go to ``offloader`` too, entered around the forward) through
@@ -267,9 +269,11 @@ class Recompute:
         lever: str,
         offloader: Any = None,
         kept: KeptKeys | None = None,
+        recompute: str = "non_reentrant",
     ) -> None:
         self.module = module
         self.lever = lever
+        self.recompute = check_recompute(recompute)
         self.offloader = offloader
         self.kept = kept if kept is not None else KeptKeys()
         self.had_attr = "forward" in module.__dict__
@@ -283,11 +287,13 @@ class Recompute:
 
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        if RECOMPUTE_KIND[self.lever] == "checkpoint":
+        if RECOMPUTE_KIND[self.lever] == "selective":
+            return checkpoint(
+                self.inner, *args, use_reentrant=False, context_fn=self._selective_context, **kwargs
+            )
+        if self.recompute == "reentrant":
             return recompute(self.inner, self.name, *args, **kwargs)
-        return checkpoint(
-            self.inner, *args, use_reentrant=False, context_fn=self._selective_context, **kwargs
-        )
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
     def _selective_context(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """``context_fn`` of the selective levers: a fresh storage per layer call. The

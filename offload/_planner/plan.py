@@ -58,6 +58,7 @@ from offload._planner.levers import (
     check_levers,
     summary,
 )
+from offload._planner.recompute import check_recompute
 from offload._planner.search import compression
 from offload._planner.verify import verified
 from offload.config import _check_int
@@ -85,12 +86,18 @@ class Plan:
             compressed (``False``: exactly). Default ``None``: every offloaded layer is
             compressed. :func:`plan` compresses only the layers where the cost model
             predicts it buys time.
+        recompute: how ``"checkpoint"`` and ``"checkpoint_offload"`` recompute a layer:
+            ``"non_reentrant"`` (default), torch's non-reentrant checkpoint; or
+            ``"reentrant"``: the forward runs without a graph and again in the backward,
+            which spares the host a hook per saved tensor but recomputes the layer's
+            last operations too (``loss.backward()`` only, not ``torch.autograd.grad``).
+            :func:`plan` measures both and keeps the faster.
 
     Raises:
         TypeError: ``levers`` is not a sequence of names.
         ValueError: wrong number of levers, an unknown lever, the last layer
             ``"offload"`` or ``"selective_offload"``, ``compressed`` of the wrong length
-            or without ``compress``.
+            or without ``compress``, ``recompute`` not one of ``RECOMPUTES``.
 
     Example:
         >>> import torch, offload
@@ -113,7 +120,9 @@ class Plan:
         min_tensor_bytes: int = 256 * 1024,
         measured: dict[str, Any] | None = None,
         compressed: Sequence[bool] | None = None,
+        recompute: str = "non_reentrant",
     ) -> None:
+        self.recompute = check_recompute(recompute)
         self.layers = list(layers)
         self.levers = list(check_levers(levers, "levers"))
         if len(self.levers) != len(self.layers):
@@ -216,6 +225,7 @@ class Plan:
                 min_tensor_bytes=self.min_tensor_bytes,
                 measured=dict(self.measured),
                 compressed=compression(c, levers) if self.compress else None,
+                recompute=self.recompute,
             )
             made._learnt = self._learnt
             return made
@@ -273,7 +283,9 @@ class Plan:
             for i, (layer, lever) in enumerate(zip(self.layers, self.levers)):
                 if lever in RECOMPUTED:
                     kept = self._learnt[i] if self._learnt is not None else None
-                    self._wrappers.append(Recompute(layer, lever, self._offloader, kept))
+                    self._wrappers.append(
+                        Recompute(layer, lever, self._offloader, kept, self.recompute)
+                    )
             if self._offloader is not None and model is not None:
                 self._handle = self._offloader.attach(model)
         except BaseException:
@@ -317,6 +329,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "compress": self.compress,
             "compressed": self.compressed,
+            "recompute": self.recompute,
             "costs": None if self.costs is None else self.costs.to_dict(),
             "measured": self.measured,
             "errors": self.prediction_errors(),
@@ -502,8 +515,9 @@ def plan(
     offloader with ``offload_layers="auto"`` (up to six steps: its warm measuring forward,
     after the first step of the process's coldest moments, gives each layer's forward
     and backward time and saved bytes, and the link bandwidth);
-    every layer but the last offloaded; every layer selective; every layer checkpointed
-    (levers not allowed are skipped). Gradients accumulate across these steps.
+    every layer but the last offloaded; every layer selective; every layer checkpointed,
+    once by each scheme of ``RECOMPUTES`` (the faster is the plan's ``recompute``; levers
+    not allowed are skipped). Gradients accumulate across these steps.
 
     Args:
         step_fn: ``callable()``: forward and backward.
@@ -569,6 +583,7 @@ def plan(
         compress=compress,
         min_tensor_bytes=min_tensor_bytes,
         measured={"configs": m.configs, "fitted": fitted, "levers": list(allowed)},
+        recompute=m.recompute,
     )
     measured._learnt = m.learnt
     return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)

@@ -1,4 +1,5 @@
-"""The full recompute of the ``checkpoint`` and ``checkpoint_offload`` levers.
+"""The full recompute of the ``checkpoint`` and ``checkpoint_offload`` levers, torch's
+reentrant scheme (``recompute="reentrant"``).
 
 Note [full recompute]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -6,7 +7,11 @@ Torch's non-reentrant checkpoint builds the layer's autograd graph in the forwar
 Python hook for each tensor the layer saves there, and again for each in the recompute.
 On a model whose step the host paces (a decoder layer of Hugging Face Llama saves about
 40 tensors) that machinery costs more host time than the recompute costs the device, and
-the device waits. So the full recompute follows torch's reentrant scheme:
+the device waits. The reentrant scheme has none of it, but recomputes the whole forward,
+where torch's non-reentrant recompute stops once it has every saved tensor (it skips the
+layer's last operations, a residual stream's output projection among them): on a step
+the device paces that is the slower of the two. Neither wins everywhere, so
+:func:`offload.plan` measures both (``RECOMPUTES``). The reentrant scheme:
 
 1. *Forward.* One autograd Function runs the layer's forward without a graph. Its saved
    tensors are the call's positional tensor arguments (nested in pytree containers too),
@@ -41,7 +46,21 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["recompute"]
+__all__ = ["RECOMPUTES", "check_recompute", "recompute"]
+
+#: How the full recompute levers recompute a layer: ``"non_reentrant"``, torch's
+#: ``torch.utils.checkpoint(use_reentrant=False)``; ``"reentrant"``, :func:`recompute`
+#: (Note [full recompute]). :func:`offload.plan` measures both and keeps the faster.
+RECOMPUTES = ("non_reentrant", "reentrant")
+
+
+def check_recompute(value: Any) -> str:
+    """``value`` if it is one of :data:`RECOMPUTES`, else ``ValueError`` naming it."""
+    if value not in RECOMPUTES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(map(repr, RECOMPUTES))}; got {value!r}"
+        )
+    return value
 
 
 def _split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
