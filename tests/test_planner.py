@@ -21,6 +21,7 @@ from offload._planner import verify as _verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import LEVERS, OFFLOADED
 from offload._planner.plan import Plan
+from offload._planner.recompute import RECOMPUTES
 from offload._planner.search import optimize
 from offload._reference import ReferenceModel
 
@@ -207,10 +208,11 @@ def _assert_same(a, b) -> None:
         "mixed4",
     ],
 )
-def test_every_lever_bitwise_on_reference_block(levers) -> None:
+@pytest.mark.parametrize("recompute", RECOMPUTES)
+def test_every_lever_bitwise_on_reference_block(levers, recompute) -> None:
     model = _ref_model()
     ref = copy.deepcopy(model)
-    p = Plan(model.layers, levers, min_tensor_bytes=0).apply(model)
+    p = Plan(model.layers, levers, min_tensor_bytes=0, recompute=recompute).apply(model)
     for _ in range(3):  # the first step of a selective layer learns (_levers.KeptKeys)
         x = torch.randn(2, 32, 64)
         want = _step(ref, x)
@@ -382,15 +384,18 @@ def test_hf_llama_every_lever_bitwise() -> None:
         return loss.detach(), [prm.grad.clone() for prm in m.parameters()]
 
     layers = offload.find_layers(model)
-    for levers in (
-        ["offload", "selective", "checkpoint"],
-        ["checkpoint", "offload", "keep"],
-        ["selective_offload", "selective_offload", "keep"],
-        ["selective_offload_inputs"] * 3,
-        ["checkpoint_offload"] * 3,
-        ["offload", "selective_offload_inputs", "checkpoint_offload"],
+    for recompute, levers in itertools.product(
+        RECOMPUTES,
+        (
+            ["offload", "selective", "checkpoint"],
+            ["checkpoint", "offload", "keep"],
+            ["selective_offload", "selective_offload", "keep"],
+            ["selective_offload_inputs"] * 3,
+            ["checkpoint_offload"] * 3,
+            ["offload", "selective_offload_inputs", "checkpoint_offload"],
+        ),
     ):
-        p = Plan(layers, levers, min_tensor_bytes=0).apply(model)
+        p = Plan(layers, levers, min_tensor_bytes=0, recompute=recompute).apply(model)
         for _ in range(3):  # the second and third steps skip what the first learnt
             _assert_same(step(ref), step(model))
         assert p.offloader.stats.bytes_offloaded > 0
@@ -841,12 +846,15 @@ def test_checkpoint_offload_in_the_cost_model() -> None:
         optimize(c, budget, levers=("checkpoint", "selective", "offload"))
 
 
-def test_checkpoint_offload_sends_only_the_inputs() -> None:
+@pytest.mark.parametrize("recompute", RECOMPUTES)
+def test_checkpoint_offload_sends_only_the_inputs(recompute: str) -> None:
     """A checkpoint_offload layer sends what the checkpoint saves (its input, one tensor
-    of the residual stream's size), releases it, and gets it back for the recompute."""
+    of the residual stream's size), releases it, and gets it back for the recompute,
+    by either scheme of full recompute."""
     model = _ref_model()
     x = torch.randn(2, 32, 64)
-    p = Plan(model.layers, ["checkpoint_offload"] * 3 + ["keep"], min_tensor_bytes=0)
+    levers = ["checkpoint_offload"] * 3 + ["keep"]
+    p = Plan(model.layers, levers, min_tensor_bytes=0, recompute=recompute)
     p.apply()
     with p:
         loss = model.loss(x)

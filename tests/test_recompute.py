@@ -167,3 +167,46 @@ def test_a_retained_graph_recomputes_at_each_backward() -> None:
         if w is not None:
             w.remove()
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_two_threads_recompute_bitwise() -> None:
+    """Each call keeps its own state: two threads training their own models at once,
+    every layer call wrapped, get the gradients of the step without recompute."""
+    import threading
+
+    cases = []
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        model = _Block().train()
+        x = torch.randn(4, 8, 16, requires_grad=True)
+        kw = {"scale": torch.full((1,), 0.5), "pair": (torch.rand(16) + 0.5, torch.rand(16))}
+        cases.append((model, x, kw))
+
+    def step(model, x, kw):
+        for p in model.parameters():
+            p.grad = None
+        model(x, **kw)[0].square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = [step(*c) for c in cases]
+    wrappers = [Recompute(c[0], "checkpoint", recompute="reentrant") for c in cases]
+    got: list = [None, None]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(20):
+                got[i] = step(*cases[i])
+                assert all(torch.equal(a, b) for a, b in zip(want[i], got[i]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in wrappers:
+        w.remove()
+    assert not errors, errors
+    assert all(g is not None for g in got)
