@@ -146,6 +146,8 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
+        # torch's own reentrant checkpoint asks the same (no public API says whether the
+        # running backward accumulates into .grad)
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(
                 f"offload: the full recompute of layer {call.name} (lever 'checkpoint' or "
