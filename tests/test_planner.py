@@ -773,6 +773,32 @@ def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str) -> None:
         offload.Plan(model.layers, ["keep"] * 4, recompute="fast")
 
 
+def test_plan_of_a_step_that_takes_gradients_by_autograd_grad(monkeypatch) -> None:
+    """A step that calls ``torch.autograd.grad`` cannot use the reentrant recompute (its
+    nested backward accumulates into ``.grad``): ``offload.plan`` measures only torch's
+    scheme then, and the plan it returns trains with it."""
+    inject_measurements(monkeypatch, [1000.0, 1000.0, 500.0, 300.0] + [450.0] * 30)
+    model = _ref_model()
+    x = torch.randn(2, 32, 64)
+    params = list(model.parameters())
+
+    def step() -> None:
+        grads = torch.autograd.grad(model.loss(x), params, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    chosen = offload.plan(step, model.layers, budget=0.5, model=model, min_tensor_bytes=0, steps=1)
+    configs = chosen.measured["configs"]
+    assert "checkpoint (non_reentrant)" in configs and "checkpoint (reentrant)" not in configs
+    assert chosen.recompute == "non_reentrant"
+    chosen.apply(model)
+    try:
+        step()
+    finally:
+        chosen.remove()
+
+
 def test_selective_offload_sends_only_what_selective_keeps() -> None:
     """The kept part of a selective layer (matrix products, attention) travels; the
     rest is recomputed: fewer bytes than offloading the layer, none of them recomputed

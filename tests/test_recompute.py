@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload._planner.levers import Recompute
-from offload._planner.recompute import recompute
+from offload._planner.recompute import NestedBackwardError, recompute
 
 
 class _Block(torch.nn.Module):
@@ -117,8 +117,21 @@ def test_autograd_grad_raises_naming_the_lever() -> None:
     y, _ = recompute(
         model.forward, "_Block", x, scale=torch.ones(1), pair=(torch.ones(16), torch.zeros(16))
     )
-    with pytest.raises(RuntimeError, match="'checkpoint'.*loss.backward"):
+    with pytest.raises(NestedBackwardError, match="'checkpoint'.*loss.backward"):
         torch.autograd.grad(y.sum(), [x])
+
+
+def test_autograd_grad_of_the_parameters_never_runs_the_recompute() -> None:
+    """The limit offload.plan checks for (Note [full recompute], 3): asked only for the
+    layer's parameters, autograd never runs the recompute's backward, and they get no
+    gradient, as under torch's reentrant checkpoint."""
+    model = _Block()
+    x = torch.randn(4, 8, 16)
+    y, _ = recompute(
+        model.forward, "_Block", x, scale=torch.ones(1), pair=(torch.ones(16), torch.zeros(16))
+    )
+    got = torch.autograd.grad(y.sum(), list(model.parameters()), allow_unused=True)
+    assert all(g is None for g in got)
 
 
 def test_without_grad_the_layer_runs_plainly() -> None:

@@ -27,7 +27,7 @@ from offload import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
-from offload._planner.recompute import RECOMPUTES
+from offload._planner.recompute import RECOMPUTES, NestedBackwardError
 from offload._timeline import Recorder
 
 __all__ = ["COST_STEPS", "Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
@@ -236,10 +236,21 @@ def measure_configs(
     if any(RECOMPUTE_KIND.get(x) == "checkpoint" for x in allowed):
         # both schemes of the full recompute; the faster is the plan's (Note [full
         # recompute] in recompute.py: neither wins everywhere)
-        schemes = {
-            scheme: _with_recompute(step_fn, layers, "checkpoint", steps, warmup, scheme)[0]
-            for scheme in RECOMPUTES
-        }
+        schemes: dict[str, dict[str, Any]] = {}
+        reached: dict[str, set[int]] = {}
+        for scheme in RECOMPUTES:
+            with _gradients_seen(layers) as seen:
+                try:
+                    schemes[scheme] = _with_recompute(
+                        step_fn, layers, "checkpoint", steps, warmup, scheme
+                    )[0]
+                except NestedBackwardError:  # a step that takes gradients by autograd.grad
+                    continue
+            reached[scheme] = seen
+        if "reentrant" in schemes and reached["reentrant"] != reached["non_reentrant"]:
+            # torch.autograd.grad never runs the reentrant recompute's backward when it
+            # asks for the layers' parameters: they would get no gradient
+            del schemes["reentrant"]
         recompute = min(schemes, key=lambda k: schemes[k]["seconds"])
         configs["checkpoint"] = {**schemes[recompute], "recompute": recompute}
         for scheme, got in schemes.items():
@@ -257,6 +268,22 @@ def measure_configs(
         moments=moments,
         recompute=recompute,
     )
+
+
+@contextlib.contextmanager
+def _gradients_seen(layers: list[torch.nn.Module]) -> Iterator[set[int]]:
+    """The indices (in the layers' parameter order) of the parameters whose gradient
+    was computed while the block ran (a tensor hook on each, removed after)."""
+    seen: set[int] = set()
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    hooks = [
+        p.register_hook(lambda g, i=i: seen.add(i)) for i, p in enumerate(params)
+    ]  # fmt: skip
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _with_recompute(

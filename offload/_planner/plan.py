@@ -90,8 +90,9 @@ class Plan:
             ``"non_reentrant"`` (default), torch's non-reentrant checkpoint; or
             ``"reentrant"``: the forward runs without a graph and again in the backward,
             which spares the host a hook per saved tensor but recomputes the layer's
-            last operations too (``loss.backward()`` only, not ``torch.autograd.grad``).
-            :func:`plan` measures both and keeps the faster.
+            last operations too (``loss.backward()`` only: under ``torch.autograd.grad``
+            the layers' parameters get no gradient, as under torch's reentrant
+            checkpoint). :func:`plan` measures both and keeps the faster.
 
     Raises:
         TypeError: ``levers`` is not a sequence of names.

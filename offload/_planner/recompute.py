@@ -31,10 +31,15 @@ the device paces that is the slower of the two. Neither wins everywhere, so
    gradients are returned to the outer graph. The values are those of the step without
    levers, bit for bit, wherever the layer's kernels are deterministic.
 3. *Limits.* A nested backward cannot hand leaf gradients to ``torch.autograd.grad`` or
-   to ``backward(inputs=...)``: the backward raises ``RuntimeError`` there (torch's
-   ``_is_checkpoint_valid``), naming the fix; nor does it build a graph of the
-   gradients (no double backward). While ``torch.compile`` traces the layer,
-   torch's non-reentrant checkpoint runs instead (the compiler traces it).
+   to ``backward(inputs=...)``: where such a call reaches the recompute's backward (it
+   asks for an argument's gradient) that backward raises :class:`NestedBackwardError`
+   (torch's ``_is_checkpoint_valid``), naming the fix; where it asks only for the
+   layer's parameters, autograd never runs that backward and they get no gradient (as
+   under torch's reentrant checkpoint), which is why :func:`offload.plan` keeps this
+   scheme only when every layer parameter's gradient is computed under it as under
+   torch's. No graph of the gradients is built (no double backward). While
+   ``torch.compile`` traces the layer, torch's non-reentrant checkpoint runs instead
+   (the compiler traces it).
 """
 
 from __future__ import annotations
@@ -46,12 +51,17 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["RECOMPUTES", "check_recompute", "recompute"]
+__all__ = ["RECOMPUTES", "NestedBackwardError", "check_recompute", "recompute"]
 
 #: How the full recompute levers recompute a layer: ``"non_reentrant"``, torch's
 #: ``torch.utils.checkpoint(use_reentrant=False)``; ``"reentrant"``, :func:`recompute`
 #: (Note [full recompute]). :func:`offload.plan` measures both and keeps the faster.
 RECOMPUTES = ("non_reentrant", "reentrant")
+
+
+class NestedBackwardError(RuntimeError):
+    """The reentrant recompute reached from ``torch.autograd.grad`` or
+    ``backward(inputs=...)`` (Note [full recompute], 3)."""
 
 
 def check_recompute(value: Any) -> str:
@@ -149,7 +159,7 @@ class _Recompute(torch.autograd.Function):
         # torch's own reentrant checkpoint asks the same (no public API says whether the
         # running backward accumulates into .grad)
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
+            raise NestedBackwardError(
                 f"offload: the full recompute of layer {call.name} (lever 'checkpoint' or "
                 "'checkpoint_offload') runs a nested backward, which cannot hand leaf "
                 "gradients to torch.autograd.grad or backward(inputs=...); call "
