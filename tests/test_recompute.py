@@ -223,3 +223,69 @@ def test_two_threads_recompute_bitwise() -> None:
         w.remove()
     assert not errors, errors
     assert all(g is not None for g in got)
+
+
+@pytest.mark.parametrize("recompute", ["non_reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "levers", [["checkpoint"] * 3, ["checkpoint", "keep", "selective"]], ids=["ckpt", "mixed"]
+)
+def test_levers_under_weight_offloading_bitwise(recompute: str, levers: list[str]) -> None:
+    """The recompute runs the layer's forward without its module hooks; the weight
+    offloader brings the weights back for the layer's backward, which the recompute is
+    part of, by either scheme."""
+    import copy
+
+    import offload
+    from offload.weights import WeightOffloader
+    from tests import models
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(models.LlamaBlock(32, 4, 64) for _ in range(3))
+    ref = copy.deepcopy(layers)
+    x = torch.randn(2, 8, 32)
+    want = models.step(ref, x, models.run_plain)
+    plan = offload.Plan(layers, levers, min_tensor_bytes=0, recompute=recompute).apply()
+    off = WeightOffloader(layers)
+    try:
+        for _ in range(2):
+            models.assert_same(models.step(layers, x, models.run_plain), want)
+            assert off.resident_layers == []
+    finally:
+        off.close()
+        plan.remove()
+
+
+def test_hf_llama_with_frozen_embeddings_gets_every_layer_gradient() -> None:
+    """Frozen embeddings (as under LoRA): no layer input needs a gradient, the layers'
+    parameters still get theirs through the reentrant recompute, bitwise."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    import offload
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 16))
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = None
+        m(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad for p in m.parameters() if p.requires_grad]
+
+    want = step(ref)
+    plan = offload.Plan(offload.find_layers(model), ["checkpoint"] * 3, recompute="reentrant")
+    plan.apply(model)
+    try:
+        got = step(model)
+    finally:
+        plan.remove()
+    assert len(got) == len(want) and all(g is not None for g in got)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
