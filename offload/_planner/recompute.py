@@ -160,11 +160,11 @@ class _Recompute(torch.autograd.Function):
         # running backward accumulates into .grad)
         if not torch.autograd._is_checkpoint_valid():
             raise NestedBackwardError(
-                f"offload: the full recompute of layer {call.name} (lever 'checkpoint' or "
-                "'checkpoint_offload') runs a nested backward, which cannot hand leaf "
-                "gradients to torch.autograd.grad or backward(inputs=...); call "
-                "loss.backward() without inputs, or plan without these levers "
-                "(levers=[...] without 'checkpoint' and 'checkpoint_offload')"
+                f"offload: the reentrant recompute of layer {call.name} (lever "
+                "'checkpoint' or 'checkpoint_offload') runs a nested backward, which "
+                "cannot hand leaf gradients to torch.autograd.grad or backward(inputs=...); "
+                "call loss.backward() without inputs, or make the plan with "
+                "recompute='non_reentrant' (torch's checkpoint)"
             )
         leaves = (*ctx.saved_tensors, *call.held)  # held until the graph is freed
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
