@@ -67,7 +67,7 @@ OFFLOADED = ("offload", "selective_offload", "checkpoint_offload", "selective_of
 #: often hold the step's peak.
 NOT_LAST = ("offload", "selective_offload")
 
-#: The levers that run the layer's forward under ``torch.utils.checkpoint``.
+#: The levers that recompute the layer's forward in the backward (:class:`Recompute`).
 RECOMPUTED = (
     "selective",
     "checkpoint",
