@@ -68,11 +68,15 @@ def gc_off() -> Iterator[None]:
             gc.enable()
 
 
-def hf_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tensor, float]:
+def hf_step(
+    model: Any, ids: torch.Tensor, off: Any = None, host: list[float] | None = None
+) -> tuple[torch.Tensor, float]:
     """One step of a Hugging Face causal LM: gradients set to ``None``, forward with
     ``labels=ids`` inside ``off`` (an offloader, or ``None``) and backward. On a CUDA
     device timed with CUDA events after a synchronisation, elsewhere with the host clock.
-    Returns the detached loss and the step's milliseconds."""
+    Returns the detached loss and the step's milliseconds; ``host``: a list to append
+    the host's milliseconds to, from the call to the return of ``backward()`` (before
+    any synchronisation)."""
     for p in model.parameters():
         p.grad = None
     cuda = ids.is_cuda
@@ -84,6 +88,8 @@ def hf_step(model: Any, ids: torch.Tensor, off: Any = None) -> tuple[torch.Tenso
     with off if off is not None else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    if host is not None:
+        host.append((time.perf_counter() - t0) * 1e3)
     if not cuda:
         return loss.detach(), (time.perf_counter() - t0) * 1e3
     end.record()

@@ -27,3 +27,20 @@ def cuda_deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(False)
         torch.cuda.synchronize()
+
+
+@pytest.fixture
+def applied_levers(monkeypatch) -> list[list[str]]:
+    """The levers of every ``Plan`` applied during the test, in order (``Plan.apply``
+    records them, then applies as usual)."""
+    from offload._planner.plan import Plan
+
+    applied: list[list[str]] = []
+    apply = Plan.apply
+
+    def recording_apply(self, model=None):
+        applied.append(list(self.levers))
+        return apply(self, model)
+
+    monkeypatch.setattr(Plan, "apply", recording_apply)
+    return applied

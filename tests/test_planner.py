@@ -513,7 +513,7 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
         base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
 
 
-def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
+def test_verification_makes_room_for_the_models_error(monkeypatch, applied_levers) -> None:
     """Every plan measures 10 % of the budget above its prediction: after the first
     fails, the plan tried next is the fastest predicted to fit with half that much room
     (not the next of the first ranking, which may sit just as close to the budget);
@@ -527,18 +527,12 @@ def test_verification_makes_room_for_the_models_error(monkeypatch) -> None:
     ranked = _search.candidates(c, budget)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(5))
     base = Plan(layers, ["keep"] * 5, costs=c, budget_bytes=None, min_tensor_bytes=0)
-    tried: list[list[str]] = []
-    apply = Plan.apply
-
-    def recording_apply(self, model=None):
-        tried.append(list(self.levers))
-        return apply(self, model)
+    tried = applied_levers
 
     def fake_run(step_fn, steps, warmup):
         return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error, "times": [1.0]}
 
     monkeypatch.setattr(_verify, "measure_step", fake_run)
-    monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert c.memory(ranked[0][1]) + error > budget  # the first choice fails
     assert tried[0] == ranked[0][1]
@@ -573,7 +567,7 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
 
 
-def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
+def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_levers) -> None:
     """After a plan fits, the next plans predicted within VERIFY_CLOSE of it are
     measured too; the plans that fit are measured again in VERIFY_ROUNDS rounds of
     alternating order and the fastest pooled median is kept (by at least VERIFY_GAIN
@@ -590,12 +584,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
     assert _verify.VERIFY_ROUNDS == 2
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
     base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
-    tried: list[list[str]] = []
-    apply = Plan.apply
-
-    def recording_apply(self, model=None):
-        tried.append(list(self.levers))
-        return apply(self, model)
+    tried = applied_levers
 
     def run_with(table):
         """``table``: levers -> (peak, seconds of each block in turn)."""
@@ -622,7 +611,6 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch) -> None:
         tuple(r3): (ok, [0.95, 0.9, 0.9]),
     }
     monkeypatch.setattr(_verify, "measure_step", run_with(table))
-    monkeypatch.setattr(Plan, "apply", recording_apply)
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert tried == [chosen, r1, r2, r3] + [r3, r2, chosen] + [chosen, r2, r3]
     assert got.levers == r3
@@ -895,7 +883,7 @@ def test_checkpoint_offload_sends_only_the_inputs(recompute: str) -> None:
     p.remove()
 
 
-def test_verification_charges_an_excess_to_offloading(monkeypatch) -> None:
+def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_levers) -> None:
     """A plan that offloads and measures slower than predicted by more than
     VERIFY_EXCESS (the host's work for offloaded tensors, which the model leaves out)
     makes the verification measure the fastest plan predicted with that excess charged
@@ -909,12 +897,7 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch) -> None:
     assert sum(x in OFFLOADED for x in first) >= 2, first
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
     base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
-    tried: list[list[str]] = []
-    apply = Plan.apply
-
-    def recording_apply(self, model=None):
-        tried.append(list(self.levers))
-        return apply(self, model)
+    tried = applied_levers
 
     def measured_with(host: float):
         """Steps as the model predicts them plus ``host`` seconds per offloaded layer's
@@ -927,7 +910,6 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch) -> None:
 
         return fake_run
 
-    monkeypatch.setattr(Plan, "apply", recording_apply)
     monkeypatch.setattr(_verify, "measure_step", measured_with(4e-3))
     got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     checks = got.measured["checks"]

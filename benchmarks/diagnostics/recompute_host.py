@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,27 +32,6 @@ import torch
 
 import offload
 from benchmarks._common import environment, hf_step, llama_1b, write_json
-
-
-def timed_step(model: Any, ids: torch.Tensor) -> tuple[float, float]:
-    """One step as ``hf_step`` runs it: device ms (CUDA events; the host clock on the
-    CPU) and host ms from the call to the return of ``backward()``, before any
-    synchronisation."""
-    for p in model.parameters():
-        p.grad = None
-    cuda = ids.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    model(input_ids=ids, labels=ids).loss.backward()
-    host = (time.perf_counter() - t0) * 1e3
-    if not cuda:
-        return host, host
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end), host
 
 
 def configs(model: Any, some: int) -> dict[str, Callable[[], Callable[[], None]]]:
@@ -134,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                         before = torch.cuda.memory_allocated()
-                    ms, host = timed_step(model, ids)
-                    host_ms[name].append(host)
+                    _, ms = hf_step(model, ids, host=host_ms[name])
                     device_ms[name].append(ms)
                     if device == "cuda":
                         peaks[name] = torch.cuda.max_memory_allocated() - before
