@@ -88,10 +88,11 @@ def hf_step(
     with off if off is not None else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    host_ms = (time.perf_counter() - t0) * 1e3
     if host is not None:
-        host.append((time.perf_counter() - t0) * 1e3)
+        host.append(host_ms)
     if not cuda:
-        return loss.detach(), (time.perf_counter() - t0) * 1e3
+        return loss.detach(), host_ms
     end.record()
     end.synchronize()
     return loss.detach(), start.elapsed_time(end)

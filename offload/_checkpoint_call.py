@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,23 +31,33 @@ _MAX_DEPTH = 8
 _kept_bytes = _placement.kept_bytes
 
 
-def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
-    """The tensors of a call's arguments (positional, keyword, and nested in pytree
-    containers) and a spec that :func:`unflatten` fills with new tensors."""
-    flat, tree = pytree.tree_flatten((args, kwargs))
+def split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The tensors of ``tree`` (nested in pytree containers) and a spec that
+    :func:`join` fills with new tensors."""
+    flat, spec = pytree.tree_flatten(tree)
     where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     leaves = [flat[i] for i in where]
     for i in where:
         flat[i] = None  # the spec holds no tensor
-    return (tree, flat, where), leaves
+    return (spec, flat, where), leaves
 
 
-def unflatten(spec: Any, leaves: list[torch.Tensor]) -> Any:
+def join(spec: Any, leaves: Sequence[torch.Tensor]) -> Any:
+    """The tree of :func:`split`'s ``spec`` with ``leaves`` in place of its tensors."""
     tree, flat, where = spec
     flat = list(flat)
     for i, t in zip(where, leaves):
         flat[i] = t
     return pytree.tree_unflatten(flat, tree)
+
+
+def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+    """The tensors of a call's arguments (positional, keyword, and nested in pytree
+    containers) and a spec that :func:`unflatten` fills with new tensors."""
+    return split((args, kwargs))
+
+
+unflatten = join
 
 
 def grad_tensors(obj: Any) -> list[torch.Tensor]:

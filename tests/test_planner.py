@@ -918,6 +918,7 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_lever
     assert sum(x in OFFLOADED for x in fixed) < sum(x in OFFLOADED for x in first), fixed
     assert checks[1]["measured_seconds"] < checks[0]["measured_seconds"]
     assert got.levers == fixed
+    assert [r["name"] for r in got.prediction_errors()][-2:] == ["plan", "corrected"]
     # an excess within VERIFY_EXCESS: the model's choice alone
     tried.clear()
     small = 0.5 * _verify.VERIFY_EXCESS * c.seconds(first)

@@ -2,10 +2,11 @@
 
 ``keep`` and ``offload`` need nothing here (the offloader does the offloading); the five
 recompute levers wrap the layer's forward (:class:`Recompute`): the full ones in
-``torch.utils.checkpoint`` or :func:`offload._planner.recompute.recompute` (the
-plan's ``recompute``), the selective ones in ``torch.utils.checkpoint`` through a pair of dispatch modes that keep the
-outputs of matrix products and attention (:class:`KeepOutputs`,
-:class:`RecomputeFromKept`) and learn which of them no recompute uses (:class:`KeptKeys`).
+``torch.utils.checkpoint`` or :func:`offload._planner.recompute.recompute` (the plan's
+``recompute``), the selective ones in ``torch.utils.checkpoint`` through a pair of
+dispatch modes that keep the outputs of matrix products and attention
+(:class:`KeepOutputs`, :class:`RecomputeFromKept`) and learn which of them no recompute
+uses (:class:`KeptKeys`).
 A recompute lever whose layer the offloader handles sends what the checkpoint saves
 through the saved-tensor hooks (the layer's inputs), and under ``selective_offload`` the
 kept outputs too.
@@ -254,11 +255,11 @@ class Recompute:
     (``checkpoint``; ``checkpoint_offload`` is the same wrapper on a layer the offloader
     handles, so the inputs the recompute saves travel) by torch's non-reentrant
     checkpoint or, with ``recompute="reentrant"``, by the reentrant scheme (Note [full
-    recompute] in ``recompute.py``), or selective under torch's non-reentrant
-    checkpoint (``selective``:
-    the kept outputs stay on the device; ``selective_offload_inputs``: the same on a
-    layer the offloader handles, so only its inputs travel; ``selective_offload``: the
-    kept outputs go to ``offloader`` too, entered around the forward) through
+    recompute] in ``recompute.py``); or selective under torch's non-reentrant checkpoint
+    (``selective``: the kept outputs stay on the device; ``selective_offload_inputs``:
+    the same on a layer the offloader handles, so only its inputs travel;
+    ``selective_offload``: the kept outputs go to ``offloader`` too, entered around the
+    forward) through
     :class:`KeepOutputs` and :class:`RecomputeFromKept`; installed as the module's
     instance attribute ``forward`` and removed by :meth:`remove` (which restores what
     was there before)."""

@@ -343,7 +343,7 @@ class Plan:
         recompute levers' memory and time and, with ``compress``, the time of
         offloading are fitted to the others: ``"fitted"`` lists what was, whose error
         is about 0 by construction), then each plan the verification measured
-        (``"plan"``, ``"rival"``, ``"single <lever>"``). Each row: ``name``, ``levers``,
+        (``"plan"``, ``"rival"``, ``"corrected"``, ``"single <lever>"``). Each row: ``name``, ``levers``,
         predicted and
         measured seconds and bytes, and ``time_error``/``memory_error`` (predicted /
         measured - 1). Empty for a plan made by hand."""
@@ -380,7 +380,8 @@ class Plan:
             )
         for check in self.measured.get("checks", []):
             name = check.get("single")
-            label = f"single {name}" if name else ("rival" if check["rival"] else "plan")
+            kind = "corrected" if check.get("corrected") else "rival" if check["rival"] else "plan"
+            label = f"single {name}" if name else kind
             seconds = check.get("pooled_seconds", check["measured_seconds"])
             row = _error_row(
                 label,

@@ -45,11 +45,12 @@ the device paces that is the slower of the two. Neither wins everywhere, so
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from offload._checkpoint_call import join, split
 
 __all__ = ["RECOMPUTES", "NestedBackwardError", "check_recompute", "recompute"]
 
@@ -73,39 +74,26 @@ def check_recompute(value: Any) -> str:
     return value
 
 
-def _split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The tensors of ``tree`` and a spec that :func:`_join` fills with others."""
-    flat, spec = pytree.tree_flatten(tree)
-    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    leaves = [flat[i] for i in where]
-    for i in where:
-        flat[i] = None  # the spec holds no tensor
-    return (spec, flat, where), leaves
-
-
-def _join(spec: Any, leaves: Any) -> Any:
-    tree, flat, where = spec
-    flat = list(flat)
-    for i, t in zip(where, leaves):
-        flat[i] = t
-    return pytree.tree_unflatten(flat, tree)
-
-
 class _Call:
     """What one call's backward needs besides its saved arguments (Note [full
     recompute], 1)."""
 
     __slots__ = (
-        "fn", "spec", "saved", "held", "out_spec", "outputs", "cpu_rng", "cuda_rng", "autocast",
-        "name",
+        "fn", "args", "kwargs", "saved", "held", "out_spec", "outputs", "cpu_rng", "cuda_rng",
+        "autocast", "name",
     )  # fmt: skip
 
     def __init__(
-        self, fn: Callable[..., Any], spec: Any, leaves: list[torch.Tensor], saved: int, name: str
+        self,
+        fn: Callable[..., Any],
+        specs: tuple[Any, Any],
+        leaves: list[torch.Tensor],
+        saved: int,
+        name: str,
     ):
         self.fn = fn
-        self.spec = spec
-        self.saved = saved  # leaves[:saved] are saved, the others held
+        self.args, self.kwargs = specs  # of the positional and the keyword arguments
+        self.saved = saved  # leaves[:saved] (the positional ones) are saved, the rest held
         self.held: tuple[torch.Tensor, ...] = ()
         self.name = name
         self.out_spec: Any = None
@@ -121,6 +109,10 @@ class _Call:
             if torch.is_autocast_enabled(kind)
         ]
         self.autocast = states
+
+    def arguments(self, leaves: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+        """``(args, kwargs)`` with ``leaves`` in place of the call's tensors."""
+        return join(self.args, leaves[: self.saved]), join(self.kwargs, leaves[self.saved :])
 
     def replay(self) -> contextlib.ExitStack:
         """The RNG (forked) and autocast states of the forward, for the recompute."""
@@ -145,8 +137,8 @@ class _Recompute(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*leaves[: call.saved])
         call.held = leaves[call.saved :]
-        args, kwargs = _join(call.spec, leaves)
-        out_spec, outs = _split(call.fn(*args, **kwargs))
+        args, kwargs = call.arguments(leaves)
+        out_spec, outs = split(call.fn(*args, **kwargs))
         call.out_spec, call.outputs = out_spec, len(outs)
         integral = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
         if integral:
@@ -168,10 +160,10 @@ class _Recompute(torch.autograd.Function):
             )
         leaves = (*ctx.saved_tensors, *call.held)  # held until the graph is freed
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
-        args, kwargs = _join(call.spec, inputs)
+        args, kwargs = call.arguments(inputs)
         with call.replay(), torch.enable_grad():
             out = call.fn(*args, **kwargs)
-        _, outs = _split(out)
+        _, outs = split(out)
         if len(outs) != call.outputs:
             raise RuntimeError(
                 f"offload: the recompute of layer {call.name} returned {len(outs)} tensors "
@@ -197,15 +189,17 @@ def _anchor() -> torch.Tensor:
 def recompute(fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, its intermediate tensors recomputed in the backward
     (Note [full recompute]). ``name`` names the layer in errors."""
-    spec, leaves = _split((args, kwargs))
-    saved = sum(1 for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor))  # first
+    args_spec, leaves = split(args)
+    kwargs_spec, by_keyword = split(kwargs)
+    saved = len(leaves)
+    leaves += by_keyword
     if torch.compiler.is_compiling() or any(t.device.type not in ("cpu", "cuda") for t in leaves):
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    call = _Call(fn, spec, leaves, saved, name)
+    call = _Call(fn, (args_spec, kwargs_spec), leaves, saved, name)
     # with no argument that requires grad, the anchor still connects the outputs to the
     # graph, so that the layer's parameters get their gradients
     anchor = None if any(t.requires_grad for t in leaves) else _anchor()
     outs = _Recompute.apply(call, anchor, *leaves)
-    return _join(call.out_spec, outs)
+    return join(call.out_spec, outs)
