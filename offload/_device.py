@@ -78,7 +78,9 @@ def _copy_exact(pairs: Copies, non_blocking: bool = False) -> bool:
     for _src, _dst, codec in pairs:
         if codec is not None:
             return False
-    if pairs:
+    if len(pairs) == 1:  # one copy (a layer's input, say): the plain call is cheaper
+        pairs[0][1].copy_(pairs[0][0], non_blocking=non_blocking)
+    elif pairs:
         srcs, dsts, _ = zip(*pairs)
         torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
     return True
@@ -312,6 +314,9 @@ class CudaBackend(Backend):
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         super().__init__(device)
+        # an int for torch.cuda.current_stream: a torch.device costs it several checks,
+        # and these calls run a few times per offloaded layer call
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         if stream is None:
             with torch.cuda.device(device):
                 self.d2h_stream = torch.cuda.Stream(device)
@@ -338,7 +343,7 @@ class CudaBackend(Backend):
         return made
 
     def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self._index)
 
     def d2h(
         self,
@@ -348,7 +353,7 @@ class CudaBackend(Backend):
         transient: list[torch.Tensor] | None = None,
         ready: Any = None,
     ) -> None:
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self._index)
         stream = self.d2h_stream
         # 4.1(a): the copies start only after everything queued so far on the producing
         # (current) stream, which includes the kernels that wrote the sources; or after
@@ -404,14 +409,20 @@ class CudaBackend(Backend):
         return self.d2h_stream.record_event()
 
     def mark_ready(self) -> torch.cuda.Event:
-        return torch.cuda.current_stream(self.device).record_event()
+        return torch.cuda.current_stream(self._index).record_event()
 
     def alloc(self, sizes: list[Request], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         # The caching allocator keeps one pool per stream: allocate in the pool of the
         # stream that will read and later free the buffers (the compute stream).
         device = self.device
-        with torch.cuda.stream(stream):
+        current = torch.cuda.current_stream(self._index)
+        if stream == current:
             return [empty(n, device) for n in sizes]
+        torch.cuda.set_stream(stream)
+        try:
+            return [empty(n, device) for n in sizes]
+        finally:
+            torch.cuda.set_stream(current)
 
     def h2d(
         self,
@@ -428,7 +439,9 @@ class CudaBackend(Backend):
                 self.h2d_stream.wait_event(event)
         copy_stream = self.h2d_stream
         codec_stream: Any = None
-        with torch.cuda.stream(copy_stream):
+        current = torch.cuda.current_stream(self._index)
+        torch.cuda.set_stream(copy_stream)
+        try:
             if times is not None:
                 start = _timed_event()
                 start.record()
@@ -458,6 +471,8 @@ class CudaBackend(Backend):
                 end = _timed_event()
                 end.record(done)
                 times.append(("h2d", start, end))
+        finally:
+            torch.cuda.set_stream(current)
         return done.record_event()
 
     def wait(self, stream: torch.cuda.Stream, event: Any, times: Times | None = None) -> None:
@@ -475,7 +490,7 @@ class CudaBackend(Backend):
         times.append(("stall", before, after))
 
     def wait_current(self, event: Any, times: Times | None = None) -> None:
-        self.wait(torch.cuda.current_stream(self.device), event, times)
+        self.wait(torch.cuda.current_stream(self._index), event, times)
 
     def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         return stream.record_event()

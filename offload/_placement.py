@@ -44,7 +44,9 @@ def layer_state(module: torch.nn.Module | None) -> LayerState:
         return _EMPTY
     storages: set[int] = set()
     frozen: set[tuple[int, ...]] = set()
-    for t in (*module.parameters(), *module.buffers()):
+    for t in _tensors(module):
+        if t is None:
+            continue
         if not t.requires_grad:
             shape = tuple(t.shape)
             frozen.add(shape)
@@ -57,6 +59,26 @@ def layer_state(module: torch.nn.Module | None) -> LayerState:
         storages.add(t.untyped_storage().data_ptr())
     storages.discard(0)
     return LayerState(storages, frozen)
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor | None]:
+    """The parameters and buffers of ``module`` and its submodules, as
+    ``module.parameters()`` and ``module.buffers()`` give them, without their generators
+    (a few times faster: this runs once per offloaded layer call). May hold ``None``
+    (an unset parameter), and a tensor or module registered twice appears twice: the
+    caller skips the first and collects sets."""
+    out: list[torch.Tensor | None] = []
+    seen: set[int] = set()
+    stack: list[torch.nn.Module | None] = [module]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))  # a module among its own descendants would loop
+        out += m._parameters.values()
+        out += m._buffers.values()
+        stack += m._modules.values()
+    return out
 
 
 def marked(t: torch.Tensor) -> bool:

@@ -83,6 +83,8 @@ class FakeMeter(Meter):
             (kernel selection for a shape not seen before).
         cold_factor: what the offloader's first step multiplies every measured time by
             (the allocator, the host pool and the kernels warming up).
+        cold_first_call: seconds the offloader's first step adds to its first call
+            (the one-time costs of a cold step do not fall evenly on its calls).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class FakeMeter(Meter):
         memory: FakeMemory | None = None,
         first_call: float = 0.0,
         cold_factor: float = 1.0,
+        cold_first_call: float = 0.0,
     ) -> None:
         self.costs = costs
         self.bps = link
@@ -106,6 +109,7 @@ class FakeMeter(Meter):
         self.probe_factor = probe_factor
         self.first_call = first_call
         self.cold_factor = cold_factor
+        self.cold_first_call = cold_first_call
         self.fake_memory = memory
         self.records: list[Any] = []
         self._times: dict[tuple[str, int], float] = {}
@@ -125,6 +129,7 @@ class FakeMeter(Meter):
         for i, c in enumerate(costs):
             times[("f0", i)] = t
             t += c.forward_s * f + (self.first_call if probe and i == 0 else 0.0)
+            t += self.cold_first_call if record.cold and i == 0 else 0.0
             times[("f1", i)] = t
         t += self.gap(n) * f
         for i in range(len(costs) - 1, -1, -1):

@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 import json
 import random
+import types
+from typing import Any
 
 import pytest
 import torch
@@ -1020,6 +1022,39 @@ def test_predictions_are_remembered_not_stored() -> None:
     assert "_memos" not in c.to_dict()
 
 
+def test_layer_costs_wait_for_two_warm_reports_that_agree(monkeypatch) -> None:
+    # A warm report may still carry the cold step's proportions (its costs scaled to a
+    # warm step's time): the planner takes the costs once two consecutive warm reports
+    # agree layer by layer.
+    import contextlib
+
+    from offload._planner import fit
+
+    def report(cold: Any, fwd: list[float]) -> dict[str, Any]:
+        return {"cold": cold, "costs": [{"forward_s": f, "backward_s": 2 * f} for f in fwd]}
+
+    scaled_cold = report(False, [9e-3, 1e-4, 1e-4])
+    warm = report(False, [1e-3, 1.02e-3, 1e-3])
+    reports = [{}, report(True, [0.5, 3e-3, 3e-3]), scaled_cold, warm, warm, warm]
+    stats = types.SimpleNamespace(auto=None)
+    steps: list[int] = []
+
+    def step() -> None:
+        stats.auto = reports[len(steps)]
+        steps.append(1)
+
+    @contextlib.contextmanager
+    def attached(*args: Any, **kw: Any) -> Any:
+        yield types.SimpleNamespace(stats=stats)
+
+    monkeypatch.setattr(fit, "_attached", attached)
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    auto = fit._layer_costs(step, layers, torch.nn.Sequential(*layers), 0)
+    assert auto is warm and len(steps) == 5  # the scaled cold report was not taken
+    assert fit._agree([1.0, 2.0], [1.05, 1.9]) and not fit._agree([1.0, 2.0], [1.0, 2.5])
+    assert not fit._agree([1.0], [1.0, 1.0])
+
+
 def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
     # the measuring offloader's first step is cold (pinned memory allocated, kernels
     # chosen): the planner's layer costs are those "auto" measures again, warm
@@ -1032,7 +1067,9 @@ def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
     model = ReferenceModel(L, dim, 4, 2 * dim)
     layers = list(model.layers)
     true = [LayerCost(1e-3, 2e-3, 0)] * L
-    meter = FakeMeter(lambda n: true, 1e9, cold_factor=50.0)
+    # the cold step's one-time costs fall mostly on its first call: scaled to a warm
+    # step's time, its layer costs keep the wrong proportions
+    meter = FakeMeter(lambda n: true, 1e9, cold_factor=50.0, cold_first_call=1.0)
     monkeypatch.setattr(_auto_policy, "meter_for", lambda device: meter)
     x = torch.randn(2, 16, dim)
 

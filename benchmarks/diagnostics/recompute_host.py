@@ -17,6 +17,10 @@ the timing, each configuration's loss and gradients are compared with no lever's
 (``torch.equal``, deterministic algorithms; the row "none" is the control, the step
 against itself).
 
+``--profile NAME`` (repeatable): afterwards, ``--steps`` steps of configuration ``NAME``
+under cProfile; the JSON's ``profiles`` hold its ``--top`` functions by own time
+(milliseconds per step), CUDA calls among them.
+
 ``--tiny``: a 4-layer model of hidden 64 on the CPU (host clock only), to check the
 script.
 """
@@ -24,6 +28,9 @@ script.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -64,12 +71,45 @@ def configs(model: Any, some: int) -> dict[str, Callable[[], Callable[[], None]]
     return out
 
 
+def profile(
+    model: Any, ids: torch.Tensor, install: Callable[[], Callable[[], None]], steps: int, top: int
+) -> list[dict[str, Any]]:
+    """The ``top`` functions by own time over ``steps`` profiled steps (after a warm-up
+    step) of one configuration: milliseconds per step, own and cumulative."""
+    undo = install()
+    try:
+        hf_step(model, ids)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            hf_step(model, ids)
+        prof.disable()
+    finally:
+        undo()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [
+        {
+            "function": f"{os.path.basename(file)}:{line}({name})",
+            "calls_per_step": round(nc / steps, 1),
+            "own_ms": round(tt * 1e3 / steps, 3),
+            "cum_ms": round(ct * 1e3 / steps, 3),
+        }
+        for (file, line, name), (_, nc, tt, ct, _) in stats.items()
+    ]
+    rows.sort(key=lambda r: -r["own_ms"])
+    for r in rows[:top]:
+        print(f"  {r['own_ms']:8.3f} {r['cum_ms']:8.3f} {r['calls_per_step']:7.1f}  {r['function']}")
+    return rows[:top]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--some", type=int, default=8, help="layers of the partial configurations")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profile", action="append", default=[], help="a configuration to profile")
+    ap.add_argument("--top", type=int, default=30, help="functions kept per profile")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -144,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": vars(args),
         "environment": environment(torch.device(device)),
         "rows": rows,
+        "profiles": {n: profile(model, ids, table[n], args.steps, args.top) for n in args.profile},
     }
     if args.out:
         write_json(args.out, result)

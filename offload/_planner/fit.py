@@ -160,8 +160,12 @@ def moments_of(
 #: The most steps the measuring offloader of :func:`_layer_costs` runs. Its first step
 #: is the coldest of the process (pinned host memory allocated, kernels chosen), whose
 #: layer times can be many times the warm ones; ``"auto"`` measures again, warm, within
-#: its next two steps, and the step after that reports the warm costs.
-COST_STEPS = 6
+#: its next two steps, and the step after that reports the warm costs. Costs are taken
+#: once two consecutive warm reports agree (:func:`_agree`).
+COST_STEPS = 8
+#: How far two consecutive warm reports of a layer's seconds may differ for
+#: :func:`_layer_costs` to take them (relative).
+COST_AGREE = 0.1
 
 
 def _layer_costs(
@@ -171,15 +175,20 @@ def _layer_costs(
     min_tensor_bytes: int,
 ) -> dict[str, Any]:
     """The measuring forward of ``offload_layers="auto"``, warm: per-layer costs and the
-    link (uncompressed bytes); steps run until ``stats.auto`` reports costs that are not
-    the first step's alone (at most :data:`COST_STEPS`)."""
+    link (uncompressed bytes); steps run until two consecutive steps report warm costs
+    that agree (:func:`_agree`; at most :data:`COST_STEPS`, else the last report)."""
     auto: dict[str, Any] = {}
+    last: list[float] | None = None
     with _attached(layers, model, offload_layers="auto", min_tensor_bytes=min_tensor_bytes) as off:
         for _ in range(COST_STEPS):
             step_fn()
             auto = off.stats.auto or {}
-            if "costs" in auto and auto.get("cold") is False:
+            if "costs" not in auto or auto.get("cold") is not False:
+                continue
+            now = [float(c["forward_s"]) + float(c["backward_s"]) for c in auto["costs"]]
+            if last is not None and _agree(now, last):
                 break
+            last = now
     if "costs" not in auto:
         raise RuntimeError(
             f"the measuring forward did not produce layer costs ({auto.get('reason')!r}); "
@@ -191,6 +200,13 @@ def _layer_costs(
             f"layers: each layer must be called once per forward"
         )
     return auto
+
+
+def _agree(a: list[float], b: list[float]) -> bool:
+    """Two reports of per-layer seconds within :data:`COST_AGREE` of each other, layer by
+    layer: the costs of one warm measurement, not the first one's scaled to a warm
+    step's time (a cold step's one-time costs do not fall evenly on its layers)."""
+    return len(a) == len(b) and all(abs(x - y) <= COST_AGREE * max(x, y) for x, y in zip(a, b))
 
 
 def measure_configs(
