@@ -63,6 +63,8 @@ class Group:
         "dropped",
         "held",
         "index",
+        "input_mark",
+        "input_versions",
         "inputs_expected",
         "inputs_seen",
         "layer",
@@ -95,6 +97,10 @@ class Group:
         self.layer: _placement.LayerState | None = None
         self.inputs_expected = 0
         self.inputs_seen = 0
+        #: Note [release order], 1(d): a mark of the compute stream at the call's start
+        #: and the storages of its inputs (``_cdata``) with their versions then
+        self.input_mark: Any = None
+        self.input_versions: dict[int, int] | None = None
         #: timing records (timing=True, or a measuring forward's: offload/_auto_probe.py)
         self.times: list[tuple[Any, ...]] | None = None
         #: manual mode: saves waiting for start_offload_layer: (weakref to the Held

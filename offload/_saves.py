@@ -377,7 +377,9 @@ class Saves:
             else:
                 copy.host_view = view = block.typed(torch.uint8, (sent,), (1,))
                 pair = (_packing.as_bytes(t, c_start, c_end), view, codec)
-            self._queue_d2h(pair, group, sent)
+            versions = group.input_versions
+            early = versions is not None and versions.get(key) == version
+            self._queue_d2h(pair, group, sent, group.input_mark if early else None)
             group.device_refs.append((alias, version, copy))
             if copies is None:
                 self.storages[key] = [copy]
@@ -484,10 +486,23 @@ class Saves:
         pair: tuple[torch.Tensor, torch.Tensor, torch.dtype | None],
         group: Group,
         sent: int,
+        ready: Any = None,
     ) -> None:
         """Queue one D2H copy of ``sent`` bytes for ``group``, and issue the queue when
-        it holds a batch or this copy is large (Note [release order], 1; lock held)."""
+        it holds a batch or this copy is large (Note [release order], 1; lock held).
+        ``ready``: a mark after which the source is complete (one of the call's inputs,
+        1(d)): the copy is issued at once, waiting only for it."""
         queue = self.d2h_queue
+        if ready is not None:
+            self._flush_d2h(group, seal=False)  # the queued copies keep their own wait
+            queue = self.d2h_queue
+            queue.append(pair)
+            before, self.d2h_ready = self.d2h_ready, ready
+            try:
+                self._flush_d2h(group, seal=False)
+            finally:
+                self.d2h_ready = before
+            return
         queue.append(pair)
         if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
             self._flush_d2h(group, seal=False)

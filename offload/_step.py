@@ -35,6 +35,12 @@ Forward, group g (the call of layer g), offloaded:
    and at the latest before ``LATE_CALLS`` calls, its release, an offloaded call or the
    forward's end. A large save takes a ready mark at save time, so its copy still waits
    only for its producer (a). Nothing is released before the placement.
+1(d). *Inputs.* A save that is one of the call's own inputs, on the same storage and at
+   the version it had when the call started, was written before the call: its copy
+   waits only for a mark taken on the compute stream at the call's start (a), so it
+   runs beside the call's kernels. A checkpointed call saves nothing but its inputs,
+   after its forward's kernels are queued; waiting for those, the copy would still be
+   running when the next call's start releases the group (3), and stall it.
 2. *Close.* An event recorded on the D2H stream covers every copy of the group.
 3. *Release.* At the start of layer ``r = max(g + 1, L - k + j)`` (g the j-th of the
    k offloaded groups; ``r == L`` only for the last call planned, released at its own
@@ -245,6 +251,9 @@ class Step(Saves, GroupLife):
                 group.deferred = []  # Note [release order], 1(c)
             if self.cfg.timing:
                 group.times = []
+            tensors = _tensors_in(inputs, []) if inputs is not None else []
+            if offload and tensors and group.deferred is None and trigger.gathers:
+                self._mark_inputs(group, tensors)
             self.groups.append(group)
             self.stats.layers.append(group.stats)
             self.open = group
@@ -260,7 +269,6 @@ class Step(Saves, GroupLife):
         if self.watch is not None:
             self.watch.opened(self, group, inputs)
         if offload and inputs is not None:
-            tensors = _tensors_in(inputs, [])
             group.inputs_expected = len(tensors)
             # Plain tensor hooks, not register_multi_grad_hook(mode="all"): that one keeps
             # the inputs' grad_fns in its closure, which the hook registered on those very
@@ -268,6 +276,19 @@ class Step(Saves, GroupLife):
             hook = functools.partial(self._input_grad, index)
             for t in tensors:
                 self.hooks.append(t.register_hook(hook))
+
+    def _mark_inputs(self, group: Group, tensors: list[torch.Tensor]) -> None:
+        """Mark the compute stream at the start of offloaded call ``group`` and note its
+        inputs' storages and versions, for copies of them that may start there (Note
+        [release order], 1(d); lock held). Eager recording only: a capture's copies
+        keep the waits it records."""
+        if self.recording.capture is not None:
+            return
+        backend = self.rt.backend(tensors[0].device)
+        if not backend.is_async:  # every copy completes at once: nothing to gain
+            return
+        group.input_mark = backend.mark_ready()
+        group.input_versions = {t.untyped_storage()._cdata: t._version for t in tensors}
 
     def close_group(self, outputs: Any = None) -> None:
         with self.rt.lock:

@@ -269,3 +269,81 @@ def test_first_layer_placed_once_the_host_is_a_call_ahead(
         assert off._last.placed_late_at == placed_at
         assert off.stats.layers[0].bytes_offloaded > 0
     off.close()
+
+
+# --------------------------------------------------------------------------------------
+# Note [release order], 1(d): a copy of a call's own input waits only for a mark taken
+# at the call's start
+
+
+class _Block(nn.Module):
+    """Linear, tanh, Linear; ``doubling``: doubles its input in place first (a new
+    version of the tensor its first Linear saves)."""
+
+    def __init__(self, dim: int, doubling: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.doubling = doubling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.doubling:
+            x = x.mul_(2)
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _ReadyBackend(SyncBackend):
+    """The synchronous backend posing as an asynchronous one; records which mark each
+    D2H copy waited for (``None``: everything queued so far)."""
+
+    is_async = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.marks: list[object] = []
+        self.copies: list[tuple[torch.Size, object]] = []
+
+    def mark_ready(self) -> object:
+        mark = object()
+        self.marks.append(mark)
+        return mark
+
+    def d2h(self, pairs, fence, times=None, transient=None, ready=None) -> None:  # type: ignore[no-untyped-def]
+        for src, _dst, _codec in pairs:
+            self.copies.append((src.shape, ready))
+        super().d2h(pairs, fence, times, transient, ready)
+
+
+@pytest.mark.parametrize(
+    ("lever", "recompute"),
+    [("checkpoint_offload", "reentrant"), ("checkpoint_offload", "non_reentrant"), ("offload", "")],
+)
+def test_inputs_copied_after_the_calls_start(lever: str, recompute: str, monkeypatch) -> None:
+    # Every call's input (the first Linear saves it) waits only for the mark of its
+    # call's start; the tanh output (made in the call) waits for everything queued; so
+    # does an input changed in place in the call (call 2 when offloaded: a recomputed
+    # call may not change its inputs), and the first call's (1(c)). Small tensors would
+    # travel in buckets (1(b)), whose flat copies are kernels on the compute stream.
+    from offload import _saves
+
+    monkeypatch.setattr(_saves, "_GATHER_MAX_BYTES", 0)
+    torch.manual_seed(0)
+    dim, n = 32, 4
+    doubling = 2 if lever == "offload" else -1
+    layers = nn.ModuleList(_Block(dim, i == doubling) for i in range(n))
+    ref = models.twin(layers)
+    levers = [lever] * (n - 1) + ["keep"]
+    plan = offload.Plan(
+        list(layers), levers, min_tensor_bytes=0, recompute=recompute or "reentrant"
+    )
+    plan.apply()
+    backend = _ReadyBackend(torch.device("cpu"))
+    plan.offloader._runtime._backends[torch.device("cpu")] = backend
+    x = torch.randn(8, dim)
+    got = models.step(layers, x, models.run_plain, plan.offloader)
+    models.assert_same(got, models.step(ref, x, models.run_plain))
+    plan.remove()
+    early = [ready is not None and ready in backend.marks for _, ready in backend.copies]
+    if lever == "checkpoint_offload":  # only the inputs travel: calls 0, 1, 2
+        assert early == [False, True, True]
+    else:  # the input and the tanh output of calls 0, 1 and 2
+        assert early == [False, False, True, False, False, False]

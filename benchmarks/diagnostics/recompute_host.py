@@ -98,7 +98,9 @@ def profile(
     ]
     rows.sort(key=lambda r: -r["own_ms"])
     for r in rows[:top]:
-        print(f"  {r['own_ms']:8.3f} {r['cum_ms']:8.3f} {r['calls_per_step']:7.1f}  {r['function']}")
+        print(
+            f"  {r['own_ms']:8.3f} {r['cum_ms']:8.3f} {r['calls_per_step']:7.1f}  {r['function']}"
+        )
     return rows[:top]
 
 
