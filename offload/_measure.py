@@ -120,12 +120,16 @@ class StepTimes:
         peak_reserved: the largest ``max_memory_reserved`` (CUDA; else ``None``).
         activation: the largest activation peak: memory allocated at a step's peak above
             what was allocated before it (weights, gradients) (CUDA; else ``None``).
+        host: each timed step's host seconds, from the call of ``step_fn`` to its
+            return (before any synchronisation: close to :attr:`seconds` where the
+            host paces the step).
     """
 
     seconds: list[float]
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     activation: int | None = None
+    host: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -176,7 +180,9 @@ def timed_steps(
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             step_fn()
+            host = time.perf_counter() - t0
             end.record()
             torch.cuda.synchronize(device)
             seconds = start.elapsed_time(end) / 1e3
@@ -186,9 +192,10 @@ def timed_steps(
         else:
             t0 = time.perf_counter()
             step_fn()
-            seconds = time.perf_counter() - t0
+            seconds = host = time.perf_counter() - t0
         if i >= warmup:
             out.seconds.append(seconds)
+            out.host.append(host)
         if after_step is not None:
             after_step()
     if peaks:

@@ -724,10 +724,15 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
         chosen.remove()
 
 
-@pytest.mark.parametrize("faster", ["reentrant", "non_reentrant"])
-def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str) -> None:
-    """``offload.plan`` measures checkpointing every layer by each scheme of RECOMPUTES
-    and plans with the faster; every plan it measures and returns uses that scheme."""
+@pytest.mark.parametrize(
+    ("faster", "tie"),
+    [("reentrant", False), ("non_reentrant", False), ("reentrant", True), ("non_reentrant", True)],
+)
+def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str, tie: bool) -> None:
+    """``offload.plan`` measures checkpointing every layer by each scheme of RECOMPUTES,
+    in two rounds in alternating order, and plans with the faster, or with the one of
+    less host time when their step times tie; every plan it measures and returns uses
+    that scheme."""
     inject_measurements(monkeypatch, [])
     model = _ref_model()
     x = torch.randn(2, 32, 64)
@@ -743,7 +748,15 @@ def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str) -> None:
         }
         seen.extend(schemes)
         t = 0.009 if faster in schemes else 0.01
-        return {"seconds": t, "peak_bytes": 300.0 if schemes else 1000.0, "times": [t] * steps}
+        host = 0.005
+        if tie:  # 1 % slower, within SCHEME_TIE, with less host time: it wins
+            t, host = (0.0101, 0.004) if faster in schemes else (0.01, 0.009)
+        return {
+            "seconds": t,
+            "peak_bytes": 300.0 if schemes else 1000.0,
+            "times": [t] * steps,
+            "host_times": [host] * steps,
+        }
 
     monkeypatch.setattr(_verify, "measure_step", fake_run)
     chosen = offload.plan(
@@ -757,7 +770,8 @@ def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str) -> None:
     )
     assert chosen.recompute == faster
     assert chosen.measured["configs"]["checkpoint"]["recompute"] == faster
-    assert seen[:2] == ["non_reentrant", "reentrant"] and set(seen[2:]) == {faster}
+    order = ["non_reentrant", "reentrant", "reentrant", "non_reentrant"]
+    assert seen[:4] == order and set(seen[4:]) == {faster}
     assert chosen.to_dict()["recompute"] == faster
     with pytest.raises(ValueError, match="recompute must be one of 'non_reentrant', 'reentrant'"):
         offload.Plan(model.layers, ["keep"] * 4, recompute="fast")

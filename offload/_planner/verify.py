@@ -81,8 +81,9 @@ VERIFY_WARMUP = 2
 
 def measure_step(step_fn: Callable[[], Any], steps: int, warmup: int) -> dict[str, Any]:
     """Median step seconds (CUDA events), the largest activation peak (allocated during
-    the step above what was allocated before it: weights, gradients) and every measured
-    step's seconds (``"times"``), from a settled state (:func:`offload._measure.settle`:
+    the step above what was allocated before it: weights, gradients), every measured
+    step's seconds (``"times"``) and host seconds to the step's return
+    (``"host_times"``), from a settled state (:func:`offload._measure.settle`:
     every configuration is measured from the same state, so that their times compare)."""
     got = _measure.timed_steps(step_fn, steps, warmup)
     peak = got.activation
@@ -90,6 +91,7 @@ def measure_step(step_fn: Callable[[], Any], steps: int, warmup: int) -> dict[st
         "seconds": got.median,
         "peak_bytes": float(peak) if peak is not None else None,
         "times": list(got.seconds),
+        "host_times": list(got.host),
     }
 
 
