@@ -492,19 +492,13 @@ class Saves:
         it holds a batch or this copy is large (Note [release order], 1; lock held).
         ``ready``: a mark after which the source is complete (one of the call's inputs,
         1(d)): the copy is issued at once, waiting only for it."""
-        queue = self.d2h_queue
         if ready is not None:
             self._flush_d2h(group, seal=False)  # the queued copies keep their own wait
-            queue = self.d2h_queue
-            queue.append(pair)
-            before, self.d2h_ready = self.d2h_ready, ready
-            try:
-                self._flush_d2h(group, seal=False)
-            finally:
-                self.d2h_ready = before
+            self.d2h_queue.append(pair)
+            self._flush_d2h(group, seal=False, ready=ready)
             return
-        queue.append(pair)
-        if len(queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
+        self.d2h_queue.append(pair)
+        if len(self.d2h_queue) >= _D2H_BATCH or sent >= _D2H_EAGER_BYTES:
             self._flush_d2h(group, seal=False)
 
     def _count_sent(
@@ -542,10 +536,11 @@ class Saves:
             return dtype if dtype in _compress.HALF else None
         return dtype if flt(t) else None
 
-    def _flush_d2h(self, group: Group | None, seal: bool = True) -> None:
+    def _flush_d2h(self, group: Group | None, seal: bool = True, ready: Any = None) -> None:
         """Issue the queued D2H copies, those of the open buckets first unless ``seal``
         is false (lock held). Sealing also places ``group``'s held-back saves first
-        (Note [release order], 1(c))."""
+        (Note [release order], 1(c)). ``ready``: the mark the copies wait for (default:
+        :attr:`d2h_ready`, else everything queued so far)."""
         if seal:
             if group is not None and group.deferred is not None:
                 self._place_deferred(group)
@@ -558,9 +553,8 @@ class Saves:
             transient, self.d2h_transient = self.d2h_transient, []
             times = group.times if group is not None else None
             fence = self.rt.pool.h2d_fence if self.recording.fenced else None
-            # a flat copy of a bucket was written just now: only a mark taken now
-            # orders its copy after the kernel that wrote it
-            ready = None if transient else self.d2h_ready
+            if ready is None and not transient:  # with a flat copy (transient): a mark of now
+                ready = self.d2h_ready
             self.backend.d2h(queue, fence, times, transient, ready)  # type: ignore[union-attr]
 
     def _issue(self, group: Group) -> None:
