@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -283,6 +284,20 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def source_digest() -> str:
+    """SHA-1 over the package's Python files (relative paths and contents, sorted): names
+    the code a result measured even where the checkout's commit does not (a copied tree
+    with uncommitted changes, or a stale ``.git``)."""
+    import offload
+
+    root = Path(offload.__file__).resolve().parent
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Versions, device and host facts for the JSON record."""
     import offload
@@ -294,6 +309,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "offload": offload.__version__,
         "git_commit": _git_commit(),
+        "source_sha1": source_digest(),
         "cpu_count": os.cpu_count(),
         "host_memory_total_gib": psutil.virtual_memory().total / GIB,
         "host_memory_available_gib": psutil.virtual_memory().available / GIB,
