@@ -1096,3 +1096,24 @@ def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
     assert [c["backward_s"] for c in auto["costs"]] == pytest.approx([2e-3] * L, rel=0.3)
     assert any(r.cold for r in meter.records)  # the cold step was there, and left out
     assert len(meter.records) <= fit.COST_STEPS
+
+
+def test_timed_steps_count_the_host_seconds_of_each_timed_step() -> None:
+    """``timed_steps`` times ``steps`` steps after ``warmup``: on the CPU the host
+    seconds are the step's seconds, one per timed step (what the scheme choice compares
+    on a tie)."""
+    import time
+
+    from offload import _measure
+
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        time.sleep(0.002 * len(calls))  # each step longer than the last
+
+    got = _measure.timed_steps(step, 3, 2, device=torch.device("cpu"))
+    assert len(calls) == 5 and len(got.seconds) == len(got.host) == 3
+    assert got.host == got.seconds and all(h >= 0.002 * (i + 3) for i, h in enumerate(got.host))
+    again = _verify.measure_step(step, 2, 0)
+    assert len(again["host_times"]) == 2 and again["host_times"][0] > 0.002 * 6
