@@ -251,8 +251,8 @@ class Step(Saves, GroupLife):
                 group.deferred = []  # Note [release order], 1(c)
             if self.cfg.timing:
                 group.times = []
-            tensors = _tensors_in(inputs, []) if inputs is not None else []
-            if offload and tensors and group.deferred is None and trigger.gathers:
+            tensors = _tensors_in(inputs, []) if offload and inputs is not None else []
+            if tensors and group.deferred is None and trigger.gathers:
                 self._mark_inputs(group, tensors)
             self.groups.append(group)
             self.stats.layers.append(group.stats)
