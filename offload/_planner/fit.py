@@ -4,9 +4,9 @@ measures and the :class:`~offload._planner.costs.PlanCosts` they give.
 Configurations, each ``warmup + steps`` steps on the same model and state: nothing; an
 offloader with ``offload_layers="auto"`` (its warm measuring forward gives each layer's
 forward and backward time and saved bytes, and the link bandwidth; :data:`COST_STEPS`
-steps at most); every layer but the
-last offloaded; every layer selective; every layer checkpointed (levers not allowed are
-skipped); on CUDA, one more step without levers records the allocator's peak between
+steps at most); every layer but the last offloaded; every layer selective; every layer
+checkpointed, by each scheme of full recompute in :data:`SCHEME_ROUNDS` alternating
+rounds (levers not allowed are skipped); on CUDA, one more step without levers records the allocator's peak between
 every two layer boundaries, which gives the workspace of the layers' forwards and
 backwards and that of the head apart. The recompute fractions ``rho_sel`` and ``rho_ckpt`` are fitted so that the
 model predicts the measured peaks of the every-layer configurations; with
