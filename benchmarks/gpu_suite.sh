@@ -9,6 +9,9 @@
 #              checkpointing
 #   others     others_ref8l.json: torch.compile's memory budget, torchtune, TransformerEngine
 #   planner    planner.json: offload.plan on ref-8L, four budgets
+#   plannerllama  planner_llama.json, planner_ref8l.json, planner_llama_16k.json: offload.plan
+#              on HF Llama ~1.1B (seq 4096, 16384) and ref-8L against no lever and the best
+#              single lever (REPEATS runs of each case, default 1)
 #   headline   ref8l, planner and others: the README's headline table
 #   tiny48     activations_tiny48.json (interleaved rounds)
 #   dbuf       activations_double_buffering.json (k = 7 with and without double buffering)
@@ -51,6 +54,13 @@ for part in $parts; do
              --out "$OUT/others_ref8l.json" 2>&1 | tail -16 ;;
     planner) timeout 400 python3 $B/planner/bench_planner.py --out "$OUT/planner.json" \
              2>&1 | tail -40 ;;
+    plannerllama) R=${REPEATS:-1}
+             timeout $((250 * R)) python3 $B/planner/bench_planner_models.py --cases llama-4k \
+             --repeats $R --out "$OUT/planner_llama.json" 2>&1 | grep -E "^  |written"
+             timeout $((250 * R)) python3 $B/planner/bench_planner_models.py \
+             --cases ref-8L,ref-8L-fp8 --repeats $R --out "$OUT/planner_ref8l.json" 2>&1 | grep -E "^  |written"
+             timeout $((200 * R)) python3 $B/planner/bench_planner_models.py --cases llama-16k \
+             --repeats $R --out "$OUT/planner_llama_16k.json" 2>&1 | grep -E "^  |written" ;;
     tiny48) timeout 240 python3 $B/activations/bench_activations.py --preset tiny48 \
              --interleave 15 --out "$OUT/activations_tiny48.json" 2>&1 | tail -24 ;;
     dbuf) timeout 240 python3 $B/activations/bench_activations.py --ks 7 --methods offload \
