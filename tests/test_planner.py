@@ -712,10 +712,12 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     # chosen plan's first step (the down projection, the 4th product of each layer)
     mm = torch.ops.aten.mm.default
     assert chosen._learnt is not None and all(k.unused == {(mm, 3)} for k in chosen._learnt)
-    # every measurement takes as long (fake_run): no rival is faster, the first plan
-    # that fits is kept
+    # every measurement takes as long (fake_run): the plan that fits is no faster than
+    # the best single lever that fits, which is then the plan (VERIFY_SINGLE_GAIN)
     fit = next(ch for ch in checks if ch["fits"])
-    assert not fit["rival"] and fit["levers"] == chosen.levers
+    assert not fit["rival"] and fit["levers"] != chosen.levers
+    (single,) = [ch for ch in checks if ch["levers"] == chosen.levers]
+    assert single["fits"] and single.get("single") and "pooled_seconds" in single
     assert not any("forward" in layer.__dict__ for layer in model.layers)  # trials removed
     chosen.apply(model)
     try:
