@@ -1,5 +1,5 @@
-"""Host and device time of full recompute on an HF Llama ~1.1B step: torch's
-non-reentrant checkpoint against the planner's ``checkpoint`` lever.
+"""Host and device time of recompute on an HF Llama ~1.1B step: torch's non-reentrant
+checkpoint against the planner's ``checkpoint`` lever, and its ``selective`` lever.
 
 Command (one H200, about a minute)::
 
@@ -8,7 +8,8 @@ Command (one H200, about a minute)::
 Configurations, each on every decoder layer or on the first ``--some`` of them:
 no lever; Hugging Face gradient checkpointing (``torch.utils.checkpoint``,
 non-reentrant); ``offload.Plan`` with ``checkpoint`` and with ``checkpoint_offload``, both
-``recompute="reentrant"`` (Note [full recompute] in ``offload/_planner/recompute.py``). ``--rounds`` rounds
+``recompute="reentrant"`` (Note [full recompute] in ``offload/_planner/recompute.py``), and
+with ``selective`` (torch's non-reentrant checkpoint with the lever's two dispatch modes). ``--rounds`` rounds
 of blocks of ``--steps`` steps (one warm-up step per block), each round in the reverse
 order of the one before. Per configuration: the median device ms (CUDA events after a
 synchronisation), the median host ms (from the call to the return of ``backward()``,
@@ -21,8 +22,8 @@ against itself).
 under cProfile; the JSON's ``profiles`` hold its ``--top`` functions by own time
 (milliseconds per step), CUDA calls among them.
 
-``--tiny``: a 4-layer model of hidden 64 on the CPU (host clock only), to check the
-script.
+``--tiny``: a 4-layer model of hidden 64 on the CPU (host clock only): the script's
+check, and the host cost of each lever where the host does all the work.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def configs(model: Any, some: int) -> dict[str, Callable[[], Callable[[], None]]
         out[f"hf checkpointing x{n}"] = hf(n)
         out[f"checkpoint x{n}"] = plan("checkpoint", n)
         out[f"checkpoint_offload x{n}"] = plan("checkpoint_offload", n)
+        out[f"selective x{n}"] = plan("selective", n)
     return out
 
 
