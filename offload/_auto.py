@@ -149,65 +149,32 @@ def predict_step(
     of its reload layer starts and the H2D stream is free; the group's own backward waits
     for it. Both directions run at once (the link is full duplex).
     """
-    return _Timeline(costs, d2h_bps, h2d_bps, prefetch_layers, gap_s).predict(offloaded)
-
-
-class _Timeline:
-    """:func:`predict_step` for one set of costs and many choices of offloaded groups:
-    each layer's times with and without offloading are read once (:func:`choose` asks
-    for every prefix, at every new input size)."""
-
-    __slots__ = ("bwd", "d2h_s", "fwd", "gap_s", "h2d_s", "num", "prefetch")
-
-    def __init__(
-        self,
-        costs: Sequence[LayerCost],
-        d2h_bps: float,
-        h2d_bps: float,
-        prefetch_layers: int | None,
-        gap_s: float,
-    ) -> None:
-        self.num = len(costs)
-        self.fwd = [(c.forward(False), c.forward(True)) for c in costs]
-        self.bwd = [(c.backward(False), c.backward(True)) for c in costs]
-        self.d2h_s = [c.nbytes / d2h_bps for c in costs]
-        self.h2d_s = [c.nbytes / h2d_bps for c in costs]
-        self.prefetch = prefetch_layers
-        self.gap_s = gap_s
-
-    def predict(self, offloaded: Sequence[int]) -> float:
-        plan, released = _plan_of(self.num, tuple(sorted(offloaded)), self.prefetch)
-        on = plan.offloaded
-        release_at, reload_at = plan.release_at, plan.reload_at
-        fwd, bwd, d2h_s, h2d_s = self.fwd, self.bwd, self.d2h_s, self.h2d_s
-        t = 0.0
-        d2h_free = 0.0
-        d2h_done: dict[int, float] = {}
-        for i in range(self.num):
-            for s in release_at.get(i, ()):
-                t = max(t, d2h_done[s])
-            start = t
-            if i in on:
-                t += fwd[i][1]
-                d2h_free = max(d2h_free, start) + d2h_s[i]
-                d2h_done[i] = max(d2h_free, t)
-            else:
-                t += fwd[i][0]
-        for s in on - released:
-            t = max(t, d2h_done[s])  # the last call: released at its close, before the gap
-        t += self.gap_s
-        h2d_free = 0.0
-        h2d_done: dict[int, float] = {}
-        for q in range(self.num - 1, -1, -1):
-            for s in reload_at.get(q, ()):
-                h2d_free = max(h2d_free, t) + h2d_s[s]
-                h2d_done[s] = h2d_free
-            if q in on:
-                t = max(t, h2d_done.get(q, t))
-                t += bwd[q][1]
-            else:
-                t += bwd[q][0]
-        return t
+    L = len(costs)
+    plan, released = _plan_of(L, tuple(sorted(offloaded)), prefetch_layers)
+    t = 0.0
+    d2h_free = 0.0
+    d2h_done: dict[int, float] = {}
+    for i in range(L):
+        for s in plan.release_at.get(i, ()):
+            t = max(t, d2h_done[s])
+        start = t
+        t += costs[i].forward(i in plan.offloaded)
+        if i in plan.offloaded:
+            d2h_free = max(d2h_free, start) + costs[i].nbytes / d2h_bps
+            d2h_done[i] = max(d2h_free, t)
+    for s in plan.offloaded - released:
+        t = max(t, d2h_done[s])  # the last call: released at its close, before the gap
+    t += gap_s
+    h2d_free = 0.0
+    h2d_done: dict[int, float] = {}
+    for q in range(L - 1, -1, -1):
+        for s in plan.reload_at.get(q, ()):
+            h2d_free = max(h2d_free, t) + costs[s].nbytes / h2d_bps
+            h2d_done[s] = h2d_free
+        if q in plan.offloaded:
+            t = max(t, h2d_done.get(q, t))
+        t += costs[q].backward(q in plan.offloaded)
+    return t
 
 
 @functools.lru_cache(maxsize=512)
@@ -238,14 +205,13 @@ def choose(
     less ``backoff`` layers, and never fewer than ``min_offloaded`` (what memory needs:
     :func:`memory_floor`; ``memory_note`` says why, for the reason)."""
     L = len(costs)
-    timeline = _Timeline(costs, d2h_bps, h2d_bps, prefetch_layers, gap_s)
     base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
     limit = base * (1.0 + max_slowdown)
     best_k, best_ratio, next_ratio = 0, 1.0, None
     for k in range(1, L):
         if costs[k - 1].nbytes == 0:
             continue  # nothing to gain from this layer; it would not move anything
-        predicted = timeline.predict(range(k))
+        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
         if predicted <= limit:
             best_k, best_ratio = k, predicted / base if base else 1.0
         else:
@@ -255,10 +221,10 @@ def choose(
     floor = min(max(0, min_offloaded), max(0, L - 1))
     k = max(floor, min(time_k, max(0, time_k - backoff)))
     if k != best_k:
-        predicted = timeline.predict(range(k))
+        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
         best_ratio = predicted / base if base else 1.0
         if k + 1 < L:
-            after = timeline.predict(range(k + 1))
+            after = predict_step(costs, range(k + 1), d2h_bps, h2d_bps, prefetch_layers, gap_s)
             next_ratio = after / base if base else None
         else:
             next_ratio = None
