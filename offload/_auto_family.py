@@ -28,6 +28,20 @@ more than :data:`RESCALE` re-decides, and starts the round again only where the 
 changes. A step at another size whose ratio is further off means the prediction was
 wrong there: the next step measures again. When the measured sizes change, the scale is
 taken again from the steps without offloading kept (:meth:`Family.rescale`).
+
+Note [stale predictions]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A step's time is read when its marks complete, which on a device-paced model can be
+steps after it started: the host runs ahead, and a measuring forward read in between
+(it waits for its own marks) may have replaced the points the step's prediction came
+from. Such a step is read against the points it ran under no longer: a step without
+offloading against what the current points predict at its size (what
+:meth:`Family.rescale` does for those already read), any other step against nothing
+(its sample still counts for the verification, which compares measured times only).
+Read against the first step's points instead, whose one-time costs make them many
+times the warm ones, one late step once put a scale of about 0.07 on warm costs: every
+compute time looked 14x shorter, no copy looked hidden, and ``offload.plan`` measured
+its layer costs from it.
 """
 
 from __future__ import annotations
@@ -151,6 +165,9 @@ class StepRecord:
     predicted_peak: float | None
     start_memory: DeviceMemory | None
     cold: bool = False
+    #: the points ``predicted_s`` came from: ``(model, model.version)`` (Note [stale
+    #: predictions])
+    points: tuple[Any, int] | None = None
     tick: int = 0  # the family's step count when it was prepared
     warmup: bool = False  # a step of the choice not counted (module docstring)
     watch: StepWatch | None = None
@@ -365,11 +382,17 @@ class Family:
             self.learn_memory(start, end, record.predicted_peak)
         if self.model is None or not record.predicted_s or record.warmup:
             return
-        rho = seconds / record.predicted_s
-        trusted = record.exact or self.model.within(record.tokens)
+        predicted, exact = self._prediction(record)
         if run is Run.NONE:
             self.calibrate = False
-        if trusted or abs(rho / self.scale - 1.0) <= PREDICTION_TOLERANCE:
+        if predicted is None:
+            pass  # a prediction from points since replaced says nothing about these
+        elif (
+            exact
+            or self.model.within(record.tokens)
+            or abs(seconds / predicted / self.scale - 1.0) <= PREDICTION_TOLERANCE
+        ):
+            rho = seconds / predicted
             # what the step took beyond the prediction is the instrumentation's share
             # (and the first step's), at every size the prediction holds
             self.residuals[run].append(rho)
@@ -390,6 +413,20 @@ class Family:
                 (record.tokens, record.quad, seconds, record.forced, self._paired(record, seconds))
             )
         self.evaluate(max_slowdown)
+
+    def _prediction(self, record: StepRecord) -> tuple[float | None, bool]:
+        """The unscaled prediction a timed step is read against, and whether it is a
+        measured size's own (Note [stale predictions]): the step's own, made when it
+        started; where the points changed since, a step without offloading is read
+        against what the current points predict at its size, any other step against
+        nothing (``None``)."""
+        points = record.points
+        if points is None or (points[0] is self.model and points[1] == points[0].version):
+            return record.predicted_s, record.exact
+        if record.run is not Run.NONE:
+            return None, False
+        exact = self.sized(record.tokens, record.quad).est.exact
+        return self.base(record.tokens, record.quad), exact
 
     def _paired(self, record: StepRecord, seconds: float) -> float | None:
         """A step of the choice over the step without offloading just before it (both

@@ -251,6 +251,7 @@ class AutoPolicy:
             start_memory=memory,
             tick=fam.tick,
             warmup=warmup,
+            points=(fam.model, sized.version),
         )
         if watched:
             # the step's peak is read at its end where memory binds (the model's error)

@@ -67,6 +67,14 @@ class FakeMemory:
         return self.base + self.act(tokens) + sum(freed[k : len(freed) - 1])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """A mark of :class:`FakeMeter`: its simulated time and the step it belongs to."""
+
+    t: float
+    step: int
+
+
 class FakeMeter(Meter):
     """Injected timings (module docstring).
 
@@ -85,6 +93,9 @@ class FakeMeter(Meter):
             (the allocator, the host pool and the kernels warming up).
         cold_first_call: seconds the offloader's first step adds to its first call
             (the one-time costs of a cold step do not fall evenly on its calls).
+        lag: steps a step's marks stay incomplete after it began unless a wait
+            completes them (the host running ahead of the device: a CUDA event is
+            complete only once the device got there). Default 0: complete at once.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class FakeMeter(Meter):
         first_call: float = 0.0,
         cold_factor: float = 1.0,
         cold_first_call: float = 0.0,
+        lag: int = 0,
     ) -> None:
         self.costs = costs
         self.bps = link
@@ -110,6 +122,9 @@ class FakeMeter(Meter):
         self.first_call = first_call
         self.cold_factor = cold_factor
         self.cold_first_call = cold_first_call
+        self.lag = lag
+        self.begun = 0  # steps begun
+        self.done = 0  # steps whose marks a wait completed
         self.fake_memory = memory
         self.records: list[Any] = []
         self._times: dict[tuple[str, int], float] = {}
@@ -118,6 +133,7 @@ class FakeMeter(Meter):
 
     def begin(self, record: Any) -> None:
         self.records.append(record)
+        self.begun += 1
         n, k = record.tokens, record.offloaded
         costs = self.costs(n)
         probe = record.run.value == "probe"
@@ -149,10 +165,15 @@ class FakeMeter(Meter):
             mem.peaks.append((self._tokens, self._k, peak))
             mem.counter = max(mem.counter, peak)
             mem.reserved = max(mem.reserved, peak + mem.slack)
-        return self._times[(what, index)], 0.0
+        return _Mark(self._times[(what, index)], self.begun), 0.0
 
     def seconds(self, a: Any, b: Any) -> float | None:
-        return b - a
+        if b.step > self.done and self.begun - b.step < self.lag:
+            return None  # the device has not got there yet
+        return b.t - a.t
+
+    def wait(self, a: Any) -> None:
+        self.done = max(self.done, a.step)
 
     def memory(self, device: Any) -> DeviceMemory | None:
         mem = self.fake_memory

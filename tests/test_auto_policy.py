@@ -343,6 +343,33 @@ def test_the_base_is_measured_without_the_instrumentation() -> None:
     assert any(r["step"] == "none" for r in runs)  # verified against steps without offloading
 
 
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_a_step_read_late_does_not_scale_the_warm_costs_by_the_cold_ones(lag: int) -> None:
+    # Note [stale predictions]: the host runs ``lag`` steps ahead of the device, and the
+    # offloader's first step measured every time 14x too long (pinned memory, kernels):
+    # a step without offloading read only after the warm measurement must not scale the
+    # warm costs by its ratio to the cold prediction (0.07: with lag 2 it did)
+    L = 6
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    costs = [LayerCost(3e-3, 7e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 1e-3, cold_factor=14.0, lag=lag)
+    off = _auto_offloader(layers, meter)
+    runs = [_run(layers, ref, off, 16) for _ in range(12)]
+    warm = [r for r in runs if r.get("cold") is False]
+    assert len(warm) >= 5, runs
+    for r in warm:  # every report once measured warm: the true costs
+        assert r["scale"] == pytest.approx(1.0, rel=0.02), r
+        assert r["costs"][0]["forward_s"] == pytest.approx(3e-3, rel=0.02), r
+    right = choose(
+        [dataclasses.replace(c, nbytes=b["nbytes"], copies=b["copies"])
+         for c, b in zip(costs, runs[-1]["costs"])],
+        meter.bps, meter.bps, 0.03,
+    ).offloaded  # fmt: skip
+    assert right and runs[-1]["chosen"] == right, runs[-1]
+    assert any(r["sent"] > 0 for r in warm)
+
+
 def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift() -> None:
     # compute-bound layers: the model hides every copy, but each offloaded layer costs
     # the real step 2 % it does not see
