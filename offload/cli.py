@@ -199,7 +199,9 @@ def _add_plan_parser(sub: Any) -> None:
         "--min-tensor-bytes", type=int, default=256 * 1024, help="of the offloader; default 262144"
     )
     run.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
-    run.add_argument("--warmup", type=int, default=1, help="warm-up steps per configuration")
+    run.add_argument(
+        "--warmup", type=int, default=3, help="warm-up steps per configuration; default 3"
+    )
     run.add_argument(
         "--measure",
         action="store_true",

@@ -505,7 +505,7 @@ def plan(
     compress: str | None = None,
     min_tensor_bytes: int = 256 * 1024,
     steps: int = 3,
-    warmup: int = 1,
+    warmup: int = 3,
     verify: bool = True,
 ) -> Plan:
     """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
@@ -538,7 +538,11 @@ def plan(
         min_tensor_bytes: of the offloader. Default ``256 * 1024``.
         steps: measured steps per configuration (>= 1). Default ``3``.
         warmup: unmeasured steps before them (>= 1: the first step of a fresh model
-            allocates its gradients, which must not count as activations). Default ``1``.
+            allocates its gradients, which must not count as activations). Default ``3``:
+            each configuration starts from an emptied allocator cache, and the first
+            steps after it run slower (ref-8L on an H200: 101, 98, then 92 ms), which
+            would make the configuration measured first, no lever, look slower than the
+            levers measured against it.
         verify: apply the fastest predicted plan, measure ``steps`` steps (after a
             warm-up) and, when its peak exceeds the budget (the model errs by a few
             percent), plan again with room for the error seen and try that plan, up to
