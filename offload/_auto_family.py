@@ -38,10 +38,10 @@ from. Such a step is read against the points it ran under no longer: a step with
 offloading against what the current points predict at its size (what
 :meth:`Family.rescale` does for those already read), any other step against nothing
 (its sample still counts for the verification, which compares measured times only).
-Read against the first step's points instead, whose one-time costs make them many
-times the warm ones, one late step once put a scale of about 0.07 on warm costs: every
-compute time looked 14x shorter, no copy looked hidden, and ``offload.plan`` measured
-its layer costs from it.
+The first step's points carry its one-time costs, many times the warm ones: a step
+read against them would scale the warm costs down by as much, every compute time would
+look that much shorter, no copy would look hidden, and ``offload.plan``, which reads
+its layer costs from here, would plan on them.
 """
 
 from __future__ import annotations

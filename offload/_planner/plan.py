@@ -540,9 +540,8 @@ def plan(
         warmup: unmeasured steps before them (>= 1: the first step of a fresh model
             allocates its gradients, which must not count as activations). Default ``3``:
             each configuration starts from an emptied allocator cache, and the first
-            steps after it run slower (ref-8L on an H200: 101, 98, then 92 ms), which
-            would make the configuration measured first, no lever, look slower than the
-            levers measured against it.
+            steps after it can run slower, which would make the configuration measured
+            first, no lever, look slower than the levers measured against it.
         verify: apply the fastest predicted plan, measure ``steps`` steps (after a
             warm-up) and, when its peak exceeds the budget (the model errs by a few
             percent), plan again with room for the error seen and try that plan, up to
