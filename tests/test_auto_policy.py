@@ -370,18 +370,22 @@ def test_a_step_read_late_does_not_scale_the_warm_costs_by_the_cold_ones(lag: in
     assert any(r["sent"] > 0 for r in warm)
 
 
-def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift() -> None:
+@pytest.mark.parametrize("lag", [0, 2])
+def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift(
+    lag: int,
+) -> None:
     # compute-bound layers: the model hides every copy, but each offloaded layer costs
-    # the real step 2 % it does not see
+    # the real step 2 % it does not see; with ``lag`` the host runs two steps ahead of
+    # the device (each step's time is read two steps later): the same end, later
     L = 6
     layers, ref = _model(L)
     costs = [LayerCost(5e-3, 10e-3, 0)] * L
     penalty = {"per_layer": 0.02}
-    meter = FakeMeter(lambda n: costs, 1e10)
+    meter = FakeMeter(lambda n: costs, 1e10, lag=lag)
     none_s = sum(c.forward_s + c.backward_s for c in costs)
     meter.step_time = lambda n, k: none_s * (1 + penalty["per_layer"] * k)
     off = _auto_offloader(layers, meter)
-    runs = [_run(layers, ref, off, 16) for _ in range(40)]
+    runs = [_run(layers, ref, off, 16) for _ in range(40 + 15 * lag)]
     chosen = [len(r["chosen"]) for r in runs[1:]]
     assert chosen[0] == L - 1
     steps = [b - a for a, b in zip(chosen, chosen[1:]) if b != a]
