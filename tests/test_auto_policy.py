@@ -348,7 +348,7 @@ def test_a_step_read_late_does_not_scale_the_warm_costs_by_the_cold_ones(lag: in
     # Note [stale predictions]: the host runs ``lag`` steps ahead of the device, and the
     # offloader's first step measured every time 14x too long (pinned memory, kernels):
     # a step without offloading read only after the warm measurement must not scale the
-    # warm costs by its ratio to the cold prediction (0.07: with lag 2 it did)
+    # warm costs by its ratio to the cold prediction (about 1/14 here)
     L = 6
     layers, ref = _model(L)
     freed = _released(layers, 16)

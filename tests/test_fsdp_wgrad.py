@@ -293,9 +293,8 @@ if __name__ == "__main__":
     # The work is done and checked by the parent from what rank 0 saved. Interpreter
     # shutdown after gloo's teardown intermittently aborts in torch's C++ destructors
     # ("terminate called without an active exception", "malloc(): unaligned tcache chunk
-    # detected"; 2 in 40 runs on two cores, and where the worker printed its progress,
-    # after destroy_process_group had returned; this package starts no threads), so the
-    # worker leaves without running them (0 in 60 runs since).
+    # detected"), after destroy_process_group has returned (this package starts no
+    # threads), so the worker leaves without running them.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
