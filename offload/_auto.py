@@ -77,7 +77,7 @@ class AutoDecision:
     back-off); ``memory_offloaded``: the fewest layers memory needs (0 when memory
     needs none or is unknown); ``memory_reason``: set when memory forced more
     offloading than the link hides; ``backoff``: layers taken off the link's choice
-    after a measured slowdown."""
+    after a measured slowdown (negative: layers added by a measured step up)."""
 
     offloaded: list[int]
     num_groups: int
@@ -202,7 +202,8 @@ def choose(
     """The longest prefix of layers (never the last) whose predicted step is within
     ``1 + max_slowdown`` of the step without offloading (``gap_s``: see
     :func:`predict_step`; it counts in the step, so in what the slowdown is relative to),
-    less ``backoff`` layers, and never fewer than ``min_offloaded`` (what memory needs:
+    less ``backoff`` layers (more where it is negative, never the last), and never fewer
+    than ``min_offloaded`` (what memory needs:
     :func:`memory_floor`; ``memory_note`` says why, for the reason)."""
     L = len(costs)
     base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
@@ -219,7 +220,7 @@ def choose(
             break
     time_k = best_k
     floor = min(max(0, min_offloaded), max(0, L - 1))
-    k = max(floor, min(time_k, max(0, time_k - backoff)))
+    k = max(floor, min(max(0, L - 1), max(0, time_k - backoff)))
     if k != best_k:
         predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
         best_ratio = predicted / base if base else 1.0
@@ -254,8 +255,13 @@ def choose(
                 f"; {best_k + 1} would predict {next_ratio:.3f}x, about {stall_ms:.1f} ms "
                 f"of stall per offloaded layer"
             )
-        if backoff and best_k < time_k:
+        if backoff > 0 and best_k < time_k:
             extra += f"; {time_k - best_k} fewer than predicted after a measured slowdown"
+        elif backoff < 0 and best_k > time_k:
+            extra += (
+                f"; {best_k - time_k} more than predicted: a step up, measured against "
+                f"steps without offloading"
+            )
         reason = (
             f"offloading {best_k} of {L} layer calls ({saved / 2**30:.2f} GiB): more would "
             f"exceed max_slowdown={max_slowdown:.0%}{extra}"
@@ -274,5 +280,5 @@ def choose(
         time_offloaded=time_k,
         memory_offloaded=floor,
         memory_reason=memory_reason,
-        backoff=max(0, time_k - best_k),
+        backoff=time_k - best_k if memory_reason is None else 0,
     )

@@ -19,6 +19,17 @@ median ratio of its last :data:`WATCH_STEPS` timed steps is watched against the 
 tolerance: past it, a fresh round (new steps without offloading) starts. A choice
 memory forces is never backed off.
 
+The step up: the prediction for one more layer is on the safe side (a few percent of
+error in the link's rate or a layer's time moves that layer's stall by as much as the
+whole limit), so a choice measured within ``1 + max_slowdown`` itself (not only within
+the noise) whose next layer is predicted within ``1 + STEP_UP_REACH * max_slowdown``
+takes that layer (``backoff`` goes negative) and verifies it in a round of its own;
+where that round measures above the tolerance, the layer comes off again as any
+back-off does, and no step up is tried again for this kind of input (nor after any
+back-off). Only a round whose steps all ran at one size steps up: where sizes change,
+the ratios carry the prediction's error between sizes, and a trial that fails runs its
+steps above the limit.
+
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
 or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
@@ -62,6 +73,7 @@ __all__ = [
     "PREDICTION_TOLERANCE",
     "RESCALE",
     "RESIDUALS",
+    "STEP_UP_REACH",
     "VERIFY_STEPS",
     "CHANGE_WARMUP_STEPS",
     "WARMUP_STEPS",
@@ -97,6 +109,9 @@ MAX_DECISIONS = 16
 #: A change of the scale by more than this re-decides; a round starts again only where
 #: that changes the choice.
 RESCALE = 0.05
+#: A verified choice takes one more layer, measured, when the prediction for it is
+#: within ``1 + STEP_UP_REACH * max_slowdown`` (module docstring: the step up).
+STEP_UP_REACH = 3.0
 
 
 class Phase(enum.Enum):
@@ -165,6 +180,8 @@ class StepRecord:
     predicted_peak: float | None
     start_memory: DeviceMemory | None
     cold: bool = False
+    #: the choice's predicted ratio with one more layer (``None``: no layer more)
+    next_ratio: float | None = None
     #: the points ``predicted_s`` came from: ``(model, model.version)`` (Note [stale
     #: predictions])
     points: tuple[Any, int] | None = None
@@ -186,7 +203,9 @@ class Family:
             Run.PLAN: collections.deque(maxlen=RESIDUALS),
         }
         self.generation = 0
+        #: layers taken off the prediction's choice (negative: added by a step up)
         self.backoff = 0
+        self.step_up = True  # no back-off yet: a step up may be tried
         #: steps without offloading: (tokens, quad, seconds); in flight: not read yet
         self.none: collections.deque[tuple[int, int, float]] = collections.deque(
             maxlen=VERIFY_STEPS
@@ -325,8 +344,9 @@ class Family:
         mid = statistics.median(values)
         return min(max_slowdown, (max(values) - min(values)) / (2 * mid)) if mid > 0 else 0.0
 
-    def evaluate(self, max_slowdown: float) -> None:
-        """After a step's time was read: finish a verification round or watch."""
+    def evaluate(self, max_slowdown: float, next_ratio: float | None = None) -> None:
+        """After a step's time was read: finish a verification round (``next_ratio``:
+        the choice's predicted ratio with one more layer, for a step up) or watch."""
         limit = 1.0 + max_slowdown
         samples = list(self.plan)
         if self.phase is Phase.VERIFY:
@@ -345,11 +365,19 @@ class Family:
                     return  # not unanimous: more pairs
             if m > tol and not all(s[3] for s in samples):
                 self.backoff += 1
+                self.step_up = False
                 self.new_generation(
                     f"measured {m:.3f}x against steps without offloading: one layer less"
                 )
             elif m > tol:
                 self.settle(f"measured {m:.3f}x; memory allows no fewer layers")
+            elif self._steps_up(m, max_slowdown, next_ratio, samples):
+                self.backoff -= 1
+                self.new_generation(
+                    f"verified: {m:.3f}x against steps without offloading; one layer more "
+                    f"(predicted {next_ratio:.3f}x, a prediction on the safe side), "
+                    f"measured next"
+                )
             else:
                 self.settle(f"verified: {m:.3f}x against steps without offloading")
         elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
@@ -412,7 +440,29 @@ class Family:
             self.plan.append(
                 (record.tokens, record.quad, seconds, record.forced, self._paired(record, seconds))
             )
-        self.evaluate(max_slowdown)
+        current = record.generation == self.generation
+        self.evaluate(max_slowdown, record.next_ratio if current else None)
+
+    def _steps_up(
+        self,
+        m: float,
+        max_slowdown: float,
+        next_ratio: float | None,
+        samples: list[tuple[int, int, float, bool, float | None]],
+    ) -> bool:
+        """Whether a verified choice takes one more layer (module docstring: the step
+        up): measured within the limit itself, at one size, its next layer predicted
+        within reach, no back-off measured before, and the choice the link's, not
+        memory's."""
+        return (
+            self.step_up
+            and self.backoff <= 0
+            and m <= 1.0 + max_slowdown
+            and next_ratio is not None
+            and next_ratio <= 1.0 + STEP_UP_REACH * max_slowdown
+            and not any(s[3] for s in samples)
+            and len({(s[0], s[1]) for s in samples} | {(n, q) for n, q, _ in self.none}) == 1
+        )
 
     def _prediction(self, record: StepRecord) -> tuple[float | None, bool]:
         """The unscaled prediction a timed step is read against, and whether it is a

@@ -18,7 +18,9 @@ one) the policy moves through :class:`Phase`:
     choice's warm-up steps, steps without offloading alternate with the chosen ones
     while memory allows them (``offload/_auto_family.py``: paired ratios, their median,
     the measured noise); when the measured ratio exceeds ``1 + max_slowdown`` by more
-    than the noise, one layer comes off and the round repeats.
+    than the noise, one layer comes off and the round repeats; a choice measured within
+    the limit whose next layer is predicted within :data:`STEP_UP_REACH` times it takes
+    that layer and verifies it (``offload/_auto_family.py``: the step up).
 ``SETTLED``
     Verified, or forced by memory, or unverifiable (memory never allows a step without
     offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
@@ -46,6 +48,7 @@ from offload._auto_family import (
     PREDICTION_TOLERANCE,
     RESCALE,
     RESIDUALS,
+    STEP_UP_REACH,
     VERIFY_STEPS,
     WARMUP_STEPS,
     WATCH_STEPS,
@@ -70,6 +73,7 @@ __all__ = [
     "PREDICTION_TOLERANCE",
     "RESCALE",
     "RESIDUALS",
+    "STEP_UP_REACH",
     "VERIFY_STEPS",
     "WARMUP_STEPS",
     "WATCH_EVERY",
@@ -247,6 +251,7 @@ class AutoPolicy:
             exact=est.exact,
             generation=fam.generation,
             predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
+            next_ratio=decision.next_ratio,
             predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
             start_memory=memory,
             tick=fam.tick,

@@ -506,14 +506,16 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
 # ---- verification at steady state, robust to noise ----------------------------------------
 
 
-def _verifying_meter(L: int, ratio, none_noise=(1.0,), warm=(2, 1), slow: float = 1.08):
-    """Compute-bound layers (the model hides every copy); a real step offloading ``k``
-    layers takes ``ratio(k)`` times the step without offloading. Steps without
-    offloading cycle through ``none_noise``; the first ``warm[0]`` steps of a plan after
-    a measuring forward, and ``warm[1]`` after a change of the plan, take ``slow`` times
-    as long (the offloader warming up)."""
+def _verifying_meter(
+    L: int, ratio, none_noise=(1.0,), warm=(2, 1), slow: float = 1.08, link: float = 1e10
+):
+    """Compute-bound layers (at the default ``link``, bytes per second, the model hides
+    every copy); a real step offloading ``k`` layers takes ``ratio(k)`` times the step
+    without offloading. Steps without offloading cycle through ``none_noise``; the first
+    ``warm[0]`` steps of a plan after a measuring forward, and ``warm[1]`` after a
+    change of the plan, take ``slow`` times as long (the offloader warming up)."""
     costs = [LayerCost(5e-3, 10e-3, 0)] * L
-    meter = FakeMeter(lambda n: costs, 1e10)
+    meter = FakeMeter(lambda n: costs, link)
     none_s = sum(c.forward_s + c.backward_s for c in costs)
     nones = itertools.cycle(none_noise)  # one factor per step without offloading
 
@@ -599,3 +601,34 @@ def test_a_round_ends_on_a_host_whose_step_times_jitter() -> None:
         nones = sum(r["step"] == "none" for r in runs[:settled])
         assert nones <= L * _auto_policy.VERIFY_STEPS, (seed, nones, chosen)
         assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
+
+
+@pytest.mark.parametrize("two", [1.02, 1.06])
+def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_within(
+    two: float,
+) -> None:
+    # a slow link: the model predicts one layer hidden and two at about 1.07x (within
+    # STEP_UP_REACH times the limit), while a real step with two layers takes ``two``
+    # times the step without offloading (the prediction on the safe side by one layer,
+    # as on the GPU), three 1.10x. Within the limit: the second layer is kept; above
+    # it: it comes off again and no step up is tried again
+    L = 6
+    layers, _ = _model(L)
+    link = _released(layers, 16)[0] / 15e-3  # 15 ms a layer's copy, 5 ms its forward
+    ratio = {0: 1.0, 1: 1.0, 2: two}
+    runs = _settle(_verifying_meter(L, lambda k: ratio.get(k, 1.10), link=link), L, 60)
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    assert chosen[0] == 1 and "2 would predict 1.0" in runs[1]["reason"], runs[1]
+    moves = [(a, b) for a, b in zip(chosen, chosen[1:]) if b != a]
+    assert runs[-1]["phase"] == "settled", runs[-1]
+    if two <= 1.03:
+        assert moves == [(1, 2)], chosen
+        assert "1 more than predicted" in runs[-1]["reason"]
+        assert runs[-1]["measured_ratio"] == pytest.approx(two, rel=1e-6)
+    else:
+        assert moves == [(1, 2), (2, 1)], chosen  # tried once, taken back
+        assert runs[-1]["measured_ratio"] == pytest.approx(1.0, rel=1e-6)
+    # bounded: each of the (at most three) rounds ran at most VERIFY_STEPS steps
+    # without offloading; every other step offloaded its choice
+    assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * _auto_policy.VERIFY_STEPS
+    assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")

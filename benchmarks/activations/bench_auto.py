@@ -312,7 +312,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=21, help="A/B rounds, auto against none")
     p.add_argument("--k-rounds", type=int, default=9, help="A/B rounds per fixed k tried")
-    p.add_argument("--settle", type=int, default=30, help="most steps for auto to settle")
+    p.add_argument("--settle", type=int, default=60, help="most steps for auto to settle")
     p.add_argument("--seqs", default="4096,8192,16384", help="HF Llama sequence lengths")
     p.add_argument("--models", default="ref-8L,tiny48,hf", help="ref-8L, tiny48, hf")
     p.add_argument("--out", required=True)
