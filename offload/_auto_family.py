@@ -26,7 +26,9 @@ the noise) whose next layer is predicted within ``1 + STEP_UP_REACH * max_slowdo
 takes that layer (``backoff`` goes negative) and verifies it in a round of its own;
 where that round measures above the tolerance, the layer comes off again as any
 back-off does, and no step up is tried again for this kind of input (nor after any
-back-off). Only a round whose steps all ran at one size steps up: where sizes change,
+back-off). A step up is one layer beyond the choice it was measured from: where the
+scale moves the prediction's choice, it is dropped. Only a round whose steps all ran at
+one size steps up: where sizes change,
 the ratios carry the prediction's error between sizes, and a trial that fails runs its
 steps above the limit.
 

@@ -37,6 +37,7 @@ are not read yet, bounded sample queues.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import torch
@@ -402,7 +403,8 @@ class AutoPolicy:
                 )
             costs, gap = _scaled(est, fam.scale)
             d2h, h2d = meter.link(device)
-            sized.decision = _auto.choose(
+            decide = functools.partial(
+                _auto.choose,
                 costs,
                 d2h,
                 h2d,
@@ -410,9 +412,19 @@ class AutoPolicy:
                 cfg.prefetch_layers,
                 gap,
                 min_offloaded=floor,
-                backoff=fam.backoff,
                 memory_note=note,
             )
+            sized.decision = decide(backoff=fam.backoff)
+            if (
+                before is not None
+                and fam.backoff < 0
+                and before.time_offloaded != sized.decision.time_offloaded
+            ):
+                # a step up is one layer beyond the choice it was measured from; that
+                # choice moved: the step up goes (the new choice may step up itself)
+                fam.backoff = 0
+                sized.decision = decide(backoff=0)
+                stamp = (fam.generation, fam.scale, fam.backoff, floor)
             if before is not None and len(before.offloaded) != len(sized.decision.offloaded):
                 fam.new_generation("the scale changed the choice: verifying again")
                 stamp = (fam.generation, *stamp[1:])

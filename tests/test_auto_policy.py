@@ -632,3 +632,29 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     # without offloading; every other step offloaded its choice
     assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * _auto_policy.VERIFY_STEPS
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
+
+
+def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> None:
+    # the setting above (two layers measured within the limit); once the step up to two
+    # runs, the scale moves (as when steps read slower than the points: the first warm
+    # steps) so that the prediction's own choice becomes two: the step up is dropped,
+    # never stacked on the new choice (three layers, predicted far beyond reach)
+    L = 6
+    layers, ref = _model(L)
+    link = _released(layers, 16)[0] / 15e-3
+    ratio = {0: 1.0, 1: 1.0, 2: 1.02}
+    meter = _verifying_meter(L, lambda k: ratio.get(k, 1.10), link=link)
+    off = _auto_offloader(layers, meter)
+    runs, moved = [], None
+    for i in range(40):
+        runs.append(_run(layers, ref, off, 16))
+        if moved is None and len(runs[-1].get("chosen", ())) == 2:
+            _family(off).scale, moved = 1.3, i + 1
+    assert moved is not None and runs[moved - 1]["backoff"] == -1, runs[moved - 1]
+    after = runs[moved]
+    assert after["time_offloaded"] == 2 and after["backoff"] == 0, after
+    assert len(after["chosen"]) == 2
+    reach = 1 + _auto_policy.STEP_UP_REACH * off.config.max_slowdown
+    for r in runs[1:]:
+        if r["backoff"] < 0:  # every step up ran a choice predicted within reach
+            assert r["predicted_ratio"] <= reach, r
