@@ -23,8 +23,9 @@ The step up: the prediction for one more layer is on the safe side (a few percen
 error in the link's rate or a layer's time moves that layer's stall by as much as the
 whole limit), so a choice measured within ``1 + max_slowdown`` itself (not only within
 the noise) whose next layer is predicted within ``1 + STEP_UP_REACH * max_slowdown``
-takes that layer (``backoff`` goes negative) and verifies it in a round of its own;
-where that round measures above the tolerance, the layer comes off again as any
+takes that layer (``backoff`` goes negative) and verifies it in a round of its own,
+against ``1 + max_slowdown`` without the noise (the prediction did not find that layer
+free, so the noise's doubt does not count for it); above, the layer comes off again as any
 back-off does, and no step up is tried again for this kind of input (nor after any
 back-off). A step up is one layer beyond the choice it was measured from: where the
 scale moves the prediction's choice, it is dropped. Only a round whose steps all ran at
@@ -357,7 +358,9 @@ class Family:
             ratios = self.ratio(samples[-VERIFY_STEPS:])
             if len(ratios) < MIN_PAIRS:
                 return
-            tol = limit + self.noise(max_slowdown)
+            # a step up is taken on a measurement within the limit itself (the
+            # prediction did not find it free: no benefit of the noise's doubt)
+            tol = limit if self.backoff < 0 else limit + self.noise(max_slowdown)
             m = statistics.median(ratios)
             self.measured_ratio = m
             if len(ratios) < VERIFY_STEPS:

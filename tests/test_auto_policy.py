@@ -603,31 +603,42 @@ def test_a_round_ends_on_a_host_whose_step_times_jitter() -> None:
         assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
 
 
-@pytest.mark.parametrize("two", [1.02, 1.06])
+@pytest.mark.parametrize(
+    ("two", "noise", "kept"),
+    [
+        (1.02, (1.0,), True),
+        (1.06, (1.0,), False),
+        (1.015, (0.99, 1.01), True),
+        (1.025, (0.99, 1.01), False),
+    ],
+)
 def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_within(
-    two: float,
+    two: float, noise: tuple[float, ...], kept: bool
 ) -> None:
     # a slow link: the model predicts one layer hidden and two at about 1.07x (within
     # STEP_UP_REACH times the limit), while a real step with two layers takes ``two``
     # times the step without offloading (the prediction on the safe side by one layer,
     # as on the GPU), three 1.10x. Within the limit: the second layer is kept; above
-    # it: it comes off again and no step up is tried again
+    # it: it comes off again and no step up is tried again. With steps without
+    # offloading 1 % either side of their mean, a round of two layers at 1.025x reads
+    # 1.035x against half of them: within the limit plus the noise (what a choice the
+    # prediction made would keep), not within the limit a step up must meet
     L = 6
     layers, _ = _model(L)
     link = _released(layers, 16)[0] / 15e-3  # 15 ms a layer's copy, 5 ms its forward
     ratio = {0: 1.0, 1: 1.0, 2: two}
-    runs = _settle(_verifying_meter(L, lambda k: ratio.get(k, 1.10), link=link), L, 60)
+    meter = _verifying_meter(L, lambda k: ratio.get(k, 1.10), noise, link=link)
+    runs = _settle(meter, L, 60)
     chosen = [len(r["chosen"]) for r in runs[1:]]
     assert chosen[0] == 1 and "2 would predict 1.0" in runs[1]["reason"], runs[1]
     moves = [(a, b) for a, b in zip(chosen, chosen[1:]) if b != a]
     assert runs[-1]["phase"] == "settled", runs[-1]
-    if two <= 1.03:
+    if kept:
         assert moves == [(1, 2)], chosen
         assert "1 more than predicted" in runs[-1]["reason"]
-        assert runs[-1]["measured_ratio"] == pytest.approx(two, rel=1e-6)
     else:
         assert moves == [(1, 2), (2, 1)], chosen  # tried once, taken back
-        assert runs[-1]["measured_ratio"] == pytest.approx(1.0, rel=1e-6)
+        assert runs[-1]["measured_ratio"] <= 1.03
     # bounded: each of the (at most three) rounds ran at most VERIFY_STEPS steps
     # without offloading; every other step offloaded its choice
     assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * _auto_policy.VERIFY_STEPS
