@@ -713,7 +713,8 @@ def test_plan_end_to_end_with_measurements_injected(monkeypatch) -> None:
     mm = torch.ops.aten.mm.default
     assert chosen._learnt is not None and all(k.unused == {(mm, 3)} for k in chosen._learnt)
     # every measurement takes as long (fake_run): the plan that fits is no faster than
-    # the best single lever that fits, which is then the plan (VERIFY_SINGLE_GAIN)
+    # the best single lever that fits, which is then the plan (Note [plan against the
+    # single lever])
     fit = next(ch for ch in checks if ch["fits"])
     assert not fit["rival"] and fit["levers"] != chosen.levers
     (single,) = [ch for ch in checks if ch["levers"] == chosen.levers]
