@@ -25,13 +25,12 @@ whole limit), so a choice measured within ``1 + max_slowdown`` itself (not only 
 the noise) whose next layer is predicted within ``1 + STEP_UP_REACH * max_slowdown``
 takes that layer (``backoff`` goes negative) and verifies it in a round of its own,
 against ``1 + max_slowdown`` without the noise (the prediction did not find that layer
-free, so the noise's doubt does not count for it); above, the layer comes off again as any
-back-off does, and no step up is tried again for this kind of input (nor after any
+free, so the noise's doubt does not count for it); above, the layer comes off again as
+any back-off does, and no step up is tried again for this kind of input (nor after any
 back-off). A step up is one layer beyond the choice it was measured from: where the
 scale moves the prediction's choice, it is dropped. Only a round whose steps all ran at
-one size steps up: where sizes change,
-the ratios carry the prediction's error between sizes, and a trial that fails runs its
-steps above the limit.
+one size steps up: where sizes change, the ratios carry the prediction's error between
+sizes, and a trial that fails runs its steps above the limit.
 
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
