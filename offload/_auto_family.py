@@ -456,11 +456,10 @@ class Family:
     ) -> bool:
         """Whether a verified choice takes one more layer (module docstring: the step
         up): measured within the limit itself, at one size, its next layer predicted
-        within reach, no back-off measured before, and the choice the link's, not
-        memory's."""
+        within reach, no back-off measured before (every back-off clears ``step_up``),
+        and the choice the link's, not memory's."""
         return (
             self.step_up
-            and self.backoff <= 0
             and m <= 1.0 + max_slowdown
             and next_ratio is not None
             and next_ratio <= 1.0 + STEP_UP_REACH * max_slowdown
