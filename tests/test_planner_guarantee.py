@@ -274,6 +274,54 @@ def test_a_plan_ahead_of_the_best_single_lever_stays_only_when_ahead_in_every_ro
     assert len(plan["rounds"]) == _verify.VERIFY_ROUNDS
 
 
+@pytest.mark.parametrize(
+    ("rival_gains", "rival_stays"),
+    [
+        ((0.015, 0.015, 0.015), True),  # ahead of the single lever in every round
+        ((0.03, 0.03, -0.005), False),  # behind it in the last round
+    ],
+)
+def test_a_rival_ahead_in_every_round_takes_the_place_of_a_plan_that_is_not(
+    monkeypatch, rival_gains: tuple[float, float, float], rival_stays: bool
+) -> None:
+    """Note [plan against the single lever]: the model's choice measures far ahead of
+    checkpointing every layer pooled but behind it in the last round, so it does not
+    stay; the rival measured with it, slower pooled, takes its place when it is ahead in
+    every round, else the single lever is the plan."""
+    c = _llama_like()
+    L = c.num_layers
+    budget = 0.5 * c.memory(["keep"] * L)
+    ranked = _search.candidates(c, budget)
+    mixed, rival = ranked[0][1], ranked[1][1]
+    assert ranked[1][0] <= ranked[0][0] * (1.0 + _verify.VERIFY_CLOSE)  # measured too
+    ckpt = ["checkpoint"] * L
+    base = c.seconds(["keep"] * L)
+    single_s = 1.30 * base
+    table = {tuple(lv): (0.3 * budget, 1.6 * base) for _, lv in _search.single_levers(c)}
+    table[tuple(ckpt)] = (0.3 * budget, single_s)
+    tried = _measured(monkeypatch, table, lambda lv: (0.9 * budget, 1.7 * base))
+    gains = {tuple(mixed): (0.06, 0.06, -0.01), tuple(rival): rival_gains}
+    seen = dict.fromkeys(gains, 0)
+    measure = _verify.measure_step
+
+    def per_round(step_fn, steps, warmup):
+        got = measure(step_fn, steps, warmup)
+        key = tuple(tried[-1])
+        if key in gains:
+            seconds = single_s * (1.0 - gains[key][seen[key]])
+            seen[key] += 1
+            got = {**got, "seconds": seconds, "peak_bytes": 0.9 * budget}
+            got["times"] = [seconds] * steps
+        return got
+
+    monkeypatch.setattr(_verify, "measure_step", per_round)
+    layers = _layers(L)
+    start = Plan(layers, ["keep"] * L, costs=c)
+    got = start.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    assert all(n == 1 + _verify.VERIFY_ROUNDS for n in seen.values())
+    assert got.levers == (rival if rival_stays else ckpt)
+
+
 def test_when_no_plan_fits_the_best_single_lever_that_does_is_the_plan(monkeypatch) -> None:
     c = _llama_like()
     L = c.num_layers
