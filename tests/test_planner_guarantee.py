@@ -225,82 +225,22 @@ def test_a_plan_slower_than_checkpointing_everything_is_replaced(monkeypatch) ->
     assert got.levers == mixed
 
 
-@pytest.mark.parametrize(
-    ("gains", "stays"),
-    [
-        ((0.005, 0.005, 0.005), False),  # ahead in every round, by less than VERIFY_GAIN
-        ((0.015, 0.015, 0.015), True),  # ahead by more, in every round
-        ((0.06, 0.06, -0.01), False),  # far ahead pooled, behind in the last round
-        ((-0.05, 0.015, 0.015), True),  # behind only in the first measurement
-    ],
-)
-def test_a_plan_ahead_of_the_best_single_lever_stays_only_when_ahead_in_every_round(
-    monkeypatch, gains: tuple[float, float, float], stays: bool
-) -> None:
-    """Note [plan against the single lever]: the mixed plan measures ``gains[i]`` faster
-    than checkpointing every layer (the best single lever) in its i-th measurement (the
-    first, then the rounds); it stays only when it is VERIFY_GAIN faster pooled and
-    faster in every round."""
+def _against_checkpointing(monkeypatch, gains_of) -> tuple[dict, dict, list[list[str]]]:
+    """Half of ``_llama_like``'s peak as the budget; every single lever that fits
+    measures slower than checkpointing every layer (the best single lever), and a plan
+    ranked i-th measures ``gains_of[i][j]`` faster than it in its j-th measurement (the
+    first, then the rounds); other plans slower still. Returns the plan (its levers and
+    checks), the measurements seen per ranked plan, and the ranking's levers."""
     c = _llama_like()
     L = c.num_layers
     budget = 0.5 * c.memory(["keep"] * L)
-    mixed = _search.candidates(c, budget)[0][1]
-    ckpt = ["checkpoint"] * L
-    base = c.seconds(["keep"] * L)
-    single_s = 1.30 * base
-    # every single lever that fits but checkpointing measures slower than it
-    table = {tuple(lv): (0.3 * budget, 1.6 * base) for _, lv in _search.single_levers(c)}
-    table[tuple(ckpt)] = (0.3 * budget, single_s)
-    tried = _measured(monkeypatch, table, lambda lv: (0.9 * budget, 1.7 * base))
-    seen = {"mixed": 0}
-    measure = _verify.measure_step
-
-    def per_round(step_fn, steps, warmup):
-        got = measure(step_fn, steps, warmup)
-        if tried[-1] == mixed:
-            seconds = single_s * (1.0 - gains[seen["mixed"]])
-            seen["mixed"] += 1
-            got = {**got, "seconds": seconds, "peak_bytes": 0.9 * budget}
-            got["times"] = [seconds] * steps
-        return got
-
-    monkeypatch.setattr(_verify, "measure_step", per_round)
-    layers = _layers(L)
-    start = Plan(layers, ["keep"] * L, costs=c)
-    got = start.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
-    assert seen["mixed"] == 1 + _verify.VERIFY_ROUNDS  # its first measurement, the rounds
-    assert got.levers == (mixed if stays else ckpt)
-    (plan,) = [ch for ch in got.measured["checks"] if ch["levers"] == mixed]
-    assert len(plan["rounds"]) == _verify.VERIFY_ROUNDS
-
-
-@pytest.mark.parametrize(
-    ("rival_gains", "rival_stays"),
-    [
-        ((0.015, 0.015, 0.015), True),  # ahead of the single lever in every round
-        ((0.03, 0.03, -0.005), False),  # behind it in the last round
-    ],
-)
-def test_a_rival_ahead_in_every_round_takes_the_place_of_a_plan_that_is_not(
-    monkeypatch, rival_gains: tuple[float, float, float], rival_stays: bool
-) -> None:
-    """Note [plan against the single lever]: the model's choice measures far ahead of
-    checkpointing every layer pooled but behind it in the last round, so it does not
-    stay; the rival measured with it, slower pooled, takes its place when it is ahead in
-    every round, else the single lever is the plan."""
-    c = _llama_like()
-    L = c.num_layers
-    budget = 0.5 * c.memory(["keep"] * L)
-    ranked = _search.candidates(c, budget)
-    mixed, rival = ranked[0][1], ranked[1][1]
-    assert ranked[1][0] <= ranked[0][0] * (1.0 + _verify.VERIFY_CLOSE)  # measured too
-    ckpt = ["checkpoint"] * L
+    ranked = [lv for _, lv in _search.candidates(c, budget)]
     base = c.seconds(["keep"] * L)
     single_s = 1.30 * base
     table = {tuple(lv): (0.3 * budget, 1.6 * base) for _, lv in _search.single_levers(c)}
-    table[tuple(ckpt)] = (0.3 * budget, single_s)
+    table[tuple(["checkpoint"] * L)] = (0.3 * budget, single_s)
     tried = _measured(monkeypatch, table, lambda lv: (0.9 * budget, 1.7 * base))
-    gains = {tuple(mixed): (0.06, 0.06, -0.01), tuple(rival): rival_gains}
+    gains = {tuple(ranked[i]): g for i, g in gains_of.items()}
     seen = dict.fromkeys(gains, 0)
     measure = _verify.measure_step
 
@@ -318,8 +258,53 @@ def test_a_rival_ahead_in_every_round_takes_the_place_of_a_plan_that_is_not(
     layers = _layers(L)
     start = Plan(layers, ["keep"] * L, costs=c)
     got = start.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
-    assert all(n == 1 + _verify.VERIFY_ROUNDS for n in seen.values())
-    assert got.levers == (rival if rival_stays else ckpt)
+    return {"levers": got.levers, "checks": got.measured["checks"]}, seen, ranked
+
+
+@pytest.mark.parametrize(
+    ("gains", "stays"),
+    [
+        ((0.005, 0.005, 0.005), False),  # ahead in every round, by less than VERIFY_GAIN
+        ((0.015, 0.015, 0.015), True),  # ahead by more, in every round
+        ((0.06, 0.06, -0.01), False),  # far ahead pooled, behind in the last round
+        ((-0.05, 0.015, 0.015), True),  # behind only in the first measurement
+    ],
+)
+def test_a_plan_ahead_of_the_best_single_lever_stays_only_when_ahead_in_every_round(
+    monkeypatch, gains: tuple[float, float, float], stays: bool
+) -> None:
+    """Note [plan against the single lever]: the model's choice measures ``gains[i]``
+    faster than checkpointing every layer (the best single lever) in its i-th
+    measurement; it stays only when it is VERIFY_GAIN faster pooled and faster in every
+    round (the other plans measure slower than checkpointing)."""
+    got, seen, ranked = _against_checkpointing(monkeypatch, {0: gains})
+    mixed = ranked[0]
+    assert seen[tuple(mixed)] == 1 + _verify.VERIFY_ROUNDS  # the first, then the rounds
+    assert got["levers"] == (mixed if stays else ["checkpoint"] * len(mixed))
+    (plan,) = [ch for ch in got["checks"] if ch["levers"] == mixed]
+    assert len(plan["rounds"]) == _verify.VERIFY_ROUNDS
+
+
+@pytest.mark.parametrize(
+    ("rival_gains", "rival_stays"),
+    [
+        ((0.015, 0.015, 0.015), True),  # ahead of the single lever in every round
+        ((0.03, 0.03, -0.005), False),  # behind it in the last round
+    ],
+)
+def test_a_rival_ahead_in_every_round_takes_the_place_of_a_plan_that_is_not(
+    monkeypatch, rival_gains: tuple[float, float, float], rival_stays: bool
+) -> None:
+    """Note [plan against the single lever]: the model's choice measures far ahead of
+    checkpointing every layer pooled but behind it in the last round, so it does not
+    stay; the rival measured with it, slower pooled, takes its place when it is ahead in
+    every round, else the single lever is the plan."""
+    got, seen, ranked = _against_checkpointing(
+        monkeypatch, {0: (0.06, 0.06, -0.01), 1: rival_gains}
+    )
+    assert all(n == 1 + _verify.VERIFY_ROUNDS for n in seen.values())  # both measured
+    rival = ranked[1]
+    assert got["levers"] == (rival if rival_stays else ["checkpoint"] * len(rival))
 
 
 def test_when_no_plan_fits_the_best_single_lever_that_does_is_the_plan(monkeypatch) -> None:
