@@ -86,6 +86,18 @@ class PlanCosts:
     Raises:
         ValueError: lists of different lengths, no layer, a negative number, or a
             fraction outside ``[0, 1]``.
+
+    Example:
+        >>> import offload
+        >>> c = offload.PlanCosts(
+        ...     forward_s=[1e-3] * 4, backward_s=[2e-3] * 4, saved_bytes=[2**28] * 4,
+        ...     selective_kept=0.6, checkpoint_kept=0.05,
+        ...     selective_s=[2e-4] * 4, checkpoint_s=[1e-3] * 4,
+        ...     d2h_bps=50e9, h2d_bps=50e9)
+        >>> c.memory(["checkpoint"] * 4) < c.memory(["keep"] * 4)
+        True
+        >>> round(c.seconds(["checkpoint"] * 4) / c.seconds(["keep"] * 4), 2)
+        1.33
     """
 
     forward_s: tuple[float, ...]

@@ -262,6 +262,10 @@ def mark_not_offload(*tensors: Any) -> None:
     reason ``opted_out``. ``None`` entries are skipped. Works inside and outside any
     offload context; the mark stays with the tensor object.
 
+    Args:
+        *tensors: tensors, TransformerEngine quantized tensors or ``None``, in any
+            number.
+
     Raises:
         TypeError: an entry is neither a tensor, a TE quantized tensor nor ``None``.
 
