@@ -3,8 +3,8 @@
 The cost model errs by a few percent in memory and leaves out host work, so
 :func:`verified` applies the fastest predicted plans in turn until one's measured peak
 fits the budget, then measures the plans predicted almost as fast, and the single-lever
-plans that fit, and keeps the fastest measured. :func:`measure_step` is the one timed loop every planner measurement goes
-through.
+plans that fit, and keeps the fastest measured. :func:`measure_step` is the one timed
+loop every planner measurement goes through.
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ VERIFY_SINGLE = True
 # Note [plan against the single lever]
 # A plan of several levers is kept over the best single lever that fits only when its
 # pooled median is at least VERIFY_GAIN faster *and* its block was faster in each of
-# the VERIFY_ROUNDS rounds. When the plan chosen is not, the fastest pooled of the other
-# plans measured that is takes its place (the test is against the single lever, not
-# against the first plan); when none is, the single lever is the plan. Where the host paces
-# the step, two configurations measured in alternation drift by a few percent from one
-# block to the next, so a pooled lead can come from one block and be behind in the
-# user's run; a lead in every round is one the drift did not make. The rounds only:
-# the first measurements of the two are not adjacent in time.
+# the VERIFY_ROUNDS rounds. When the plan chosen is not, the fastest pooled of the
+# other plans measured that is takes its place (the test is against the single lever,
+# not against the first plan); when none is, the single lever is the plan. Where the
+# host paces the step, two configurations measured in alternation drift by a few
+# percent from one block to the next, so a pooled lead can come from one block and be
+# behind in the user's run; a lead in every round is one the drift did not make. The
+# rounds only: the first measurements of the two are not adjacent in time.
 
 #: Unmeasured steps before each measured block of the verification: the allocator's
 #: cache is emptied before each block and a plan applied anew makes a new offloader,
@@ -164,9 +164,9 @@ def verified(
 
     Without ``step_fn`` the model's choice is returned unchecked. Every measurement is
     in the returned checks (``"rival": True`` or ``"corrected": True`` for the second
-    part; ``"single"``: the name of the single lever for the third; ``"times"``: every measured step;
-    ``"pooled_seconds"``: the median of those, for the plans measured in rounds;
-    ``"rounds"``: the median of each round's block)."""
+    part; ``"single"``: the name of the single lever for the third; ``"times"``: every
+    measured step; ``"pooled_seconds"``: the median of those, for the plans measured in
+    rounds; ``"rounds"``: the median of each round's block)."""
     ranked = candidates(costs, limit, allowed)
     if step_fn is None:
         return ranked[0][1], []
