@@ -645,6 +645,37 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
 
 
+def test_step_ups_repeat_while_each_measures_within_and_stop_at_the_first_that_does_not() -> None:
+    # many layers, each a little more than its compute to copy (6.5 ms against 5 ms):
+    # the predicted ratio grows by about 4 % a layer, so after a verified step up the
+    # next layer is again predicted within reach. Real steps are the prediction for one
+    # layer fewer (on the safe side by one layer, as on the GPU): the first step up
+    # measures within the limit and is kept, the second does not and comes off, and no
+    # further step up is tried; the run ends on the best fixed k within the limit
+    L = 12
+    layers, _ = _model(L)
+    freed = _released(layers, 16)
+    link = freed[0] / 6.5e-3
+    costs = [LayerCost(5e-3, 10e-3, b) for b in freed]
+    base = predict_step(costs, [], link, link)
+    predicted = [predict_step(costs, list(range(k)), link, link) / base for k in range(L)]
+    real = [predicted[max(k - 1, 0)] for k in range(L)]
+    best = max(k for k in range(L) if real[k] <= 1.03)
+    choice = max(k for k in range(L) if predicted[k] <= 1.03)
+    reach = 1 + _auto_policy.STEP_UP_REACH * 0.03
+    assert best == choice + 1 and predicted[choice + 2] <= reach < predicted[choice + 3]
+    runs = _settle(_verifying_meter(L, real.__getitem__, link=link), L, 60)
+    chosen = [len(r["chosen"]) for r in runs[1:]]
+    moves = [(a, b) for a, b in zip(chosen, chosen[1:]) if b != a]
+    assert chosen[0] == choice, runs[1]
+    assert moves == [(choice, best), (best, best + 1), (best + 1, best)], chosen
+    assert runs[-1]["phase"] == "settled" and runs[-1]["measured_ratio"] <= 1.03, runs[-1]
+    assert "1 more than predicted" in runs[-1]["reason"]
+    # bounded: each of the three rounds ran at most VERIFY_STEPS steps without offloading
+    assert sum(r["step"] == "none" for r in runs) <= 3 * _auto_policy.VERIFY_STEPS
+    assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
+
+
 def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> None:
     # the setting above (two layers measured within the limit); once the step up to two
     # runs, the scale moves (as when steps read slower than the points: the first warm
