@@ -538,6 +538,13 @@ def _verifying_meter(
     return meter
 
 
+def _slow_link(L: int, copy_s: float) -> tuple[float, list[int]]:
+    """A link (bytes per second) over which a layer's saved bytes take ``copy_s`` at the
+    size :func:`_settle` runs, and the bytes each call frees there."""
+    freed = _released(_model(L)[0], 16)
+    return freed[0] / copy_s, freed
+
+
 def _settle(meter: FakeMeter, L: int, steps: int) -> list[dict]:
     layers, ref = _model(L)
     off = _auto_offloader(layers, meter)
@@ -624,8 +631,7 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     # 1.035x against half of them: within the limit plus the noise (what a choice the
     # prediction made would keep), not within the limit a step up must meet
     L = 6
-    layers, _ = _model(L)
-    link = _released(layers, 16)[0] / 15e-3  # 15 ms a layer's copy, 5 ms its forward
+    link, _ = _slow_link(L, 15e-3)  # 15 ms a layer's copy, 5 ms its forward
     ratio = {0: 1.0, 1: 1.0, 2: two}
     meter = _verifying_meter(L, lambda k: ratio.get(k, 1.10), noise, link=link)
     runs = _settle(meter, L, 60)
@@ -653,9 +659,7 @@ def test_step_ups_repeat_while_each_measures_within_and_stop_at_the_first_that_d
     # measures within the limit and is kept, the second does not and comes off, and no
     # further step up is tried; the run ends on the best fixed k within the limit
     L = 12
-    layers, _ = _model(L)
-    freed = _released(layers, 16)
-    link = freed[0] / 6.5e-3
+    link, freed = _slow_link(L, 6.5e-3)
     costs = [LayerCost(5e-3, 10e-3, b) for b in freed]
     base = predict_step(costs, [], link, link)
     predicted = [predict_step(costs, list(range(k)), link, link) / base for k in range(L)]
@@ -683,7 +687,7 @@ def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> Non
     # never stacked on the new choice (three layers, predicted far beyond reach)
     L = 6
     layers, ref = _model(L)
-    link = _released(layers, 16)[0] / 15e-3
+    link, _ = _slow_link(L, 15e-3)
     ratio = {0: 1.0, 1: 1.0, 2: 1.02}
     meter = _verifying_meter(L, lambda k: ratio.get(k, 1.10), link=link)
     off = _auto_offloader(layers, meter)
