@@ -341,6 +341,14 @@ class GroupLife:
                 copy.holders -= 1
                 if copy.holders <= 0:
                     copy.holders = 0
+                    if not copy.late:  # else its last handle drops it: Note [release order], 6
+                        self._drop_buffer(copy, reuse=True)
+        nxt = group.index + 1
+        if nxt < len(self.groups):
+            # the saves made between this call and the next were used by now: a retained
+            # graph keeps their handles, not their buffers (Note [release order], 6)
+            for copy in self.groups[nxt].copies.values():
+                if copy.late and copy.holders == 0:
                     self._drop_buffer(copy, reuse=True)
         if not group.dropped and group.copies:
             group.dropped = True

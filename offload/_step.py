@@ -62,6 +62,10 @@ Backward (possibly on autograd's device threads):
 6. *Drop.* A group gives up its buffers when the gradients of its inputs are complete
    or its last handle dies; a buffer whose event nobody waited for is waited for first
    (e). A copy shared by several groups keeps its buffer until all of them dropped it.
+   A save made between two calls joins the next call's group, but its backward runs
+   after that group's inputs' gradients: a copy it points at keeps its buffer until its
+   last handle dies (7) or the previous group drops, instead of being reloaded again
+   on demand.
 7. *Death.* The last handle of a copy returns its host block to the pool (the next D2H
    into it waits for the fence, 1). A handle can die on any thread: with the lock busy,
    the work is queued and done by the next caller (``Runtime.later``).
@@ -99,6 +103,7 @@ from offload._buffers import ReloadBuffers
 from offload._device import Backend
 from offload._group import CLOSED, OPEN, RELEASED, Group, GroupLife
 from offload._handles import (
+    Offloaded,
     Pending,
 )
 from offload._plan import Schedule
@@ -263,7 +268,9 @@ class Step(Saves, GroupLife):
             pending, self.pending = self.pending, []
             for handle, t in pending:
                 if offload or self.counts:
-                    handle.inner = self._place(t, group)
+                    inner = handle.inner = self._place(t, group)
+                    if isinstance(inner, Offloaded):
+                        inner.copy.late = True  # Note [release order], 6
                 else:
                     group.stats.bytes_kept["not_selected"] += _nbytes(t)
         if self.watch is not None:

@@ -55,6 +55,7 @@ class HostCopy:
         "codec",
         "spec",
         "host_view",
+        "late",
     )
 
     def __init__(
@@ -98,6 +99,10 @@ class HostCopy:
         #: ``length`` bytes (``uint8``); a view the pool caches (``HostBlock.typed``).
         #: None once the block is returned.
         self.host_view: torch.Tensor | None = None
+        #: a save made before its group opened (between layer calls) points at it: its
+        #: backward runs after the group's, so the group's drop leaves the buffer to the
+        #: copy's last handle or the previous group's drop (Note [release order], 6)
+        self.late = False
 
     @property
     def nbytes(self) -> int:

@@ -149,9 +149,11 @@ def step(
     retain_graph: bool = False,
     backwards: int = 1,
     after_forward: Callable[[], None] | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """One forward (under ``offloader`` when given) and ``backwards`` backwards;
-    ``after_forward`` runs between them (the graph is alive, the context exited)."""
+    ``after_forward`` runs between them (the graph is alive, the context exited),
+    ``after_backward`` after each backward."""
     for p in _params(layers):
         p.grad = None
     x = x.clone().requires_grad_(True)
@@ -161,6 +163,8 @@ def step(
         after_forward()
     for i in range(backwards):
         loss.backward(retain_graph=retain_graph or i < backwards - 1)
+        if after_backward is not None:
+            after_backward()
     return loss.detach(), [p.grad.clone() for p in _params(layers)], x.grad.clone()
 
 

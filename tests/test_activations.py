@@ -317,6 +317,68 @@ def test_outside_layers_and_opt_out() -> None:
     assert stats.bytes_kept["parameter"] > 0
 
 
+def _between(kind: str):
+    """A runner with an op between the layer calls that saves a tensor for backward."""
+
+    def run(layers, x):
+        for layer in layers:
+            if kind == "activation":  # an activation applied to each layer's output
+                x = torch.relu(layer(x))
+            else:  # a pre-norm outside the layer, the residual around it
+                x = x + layer(torch.nn.functional.layer_norm(x, (DIM,)))
+        return x
+
+    return run
+
+
+def _held_buffers() -> int:
+    from offload._transfer import HostCopy
+
+    gc.collect()
+    return sum(issubclass(type(c), HostCopy) and c.buffer is not None for c in gc.get_objects())
+
+
+@pytest.mark.parametrize("kind", ["activation", "norm"])
+def test_a_save_between_layer_calls_is_reloaded_once(kind: str) -> None:
+    # Note [release order], 6: what an op between two calls saves joins the next call's
+    # group, and its backward runs after that group's: its copy keeps the buffer the
+    # group's reload made instead of being reloaded again on demand, and gives it up
+    # with its last handle
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+    ref = twin(layers)
+    run = _between(kind)
+    x = torch.randn(2, 16, DIM)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    assert_same(step(layers, x, run, off), step(ref, x, run))
+    stats = off.stats
+    assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
+    assert _held_buffers() == 0  # every buffer given up with its handles
+    off.close()
+
+
+@pytest.mark.parametrize("kind", ["activation", "norm"])
+def test_a_retained_graph_keeps_no_buffer_of_a_save_between_layer_calls(kind: str) -> None:
+    # the same saves under retain_graph: their handles outlive the backward, their
+    # buffers do not (the previous group's drop gives them up; saves before the first
+    # call stay on the device), and the second backward reloads what it needs
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+    ref = twin(layers)
+    run = _between(kind)
+    x = torch.randn(2, 16, DIM)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    held = []
+    got = step(
+        layers, x, run, off, backwards=2, after_backward=lambda: held.append(_held_buffers())
+    )
+    assert_same(got, step(ref, x, run, backwards=2))
+    assert held == [0, 0]
+    stats = off.stats
+    assert stats.bytes_offloaded < stats.bytes_reloaded <= 2 * stats.bytes_offloaded
+    off.close()
+
+
 def test_no_offload_decorator() -> None:
     layers = nn.ModuleList([nn.Linear(128, 128), nn.Linear(128, 128)])
 

@@ -55,6 +55,40 @@ def test_bf16_same_gradients(selection, selected) -> None:
     off.close()
 
 
+@pytest.mark.parametrize("kind", ["activation", "norm"])
+def test_saves_between_layer_calls_reloaded_once_bf16(kind) -> None:
+    # Note [release order], 6 on the device: an op between two calls (an activation on
+    # each layer's output, or a pre-norm outside the layer) saves a tensor that joins the
+    # next call's group and is used after that group's backward; its buffer is kept for
+    # it (no second reload on demand), under a retained graph too, and given up after
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6)).to(DEV, torch.bfloat16)
+    ref = twin(layers)
+
+    def runner(ls, x):
+        for layer in ls:
+            if kind == "activation":
+                x = torch.relu(layer(x))
+            else:
+                x = x + layer(torch.nn.functional.layer_norm(x, (1024,)))
+        return x
+
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    for backwards in (1, 1, 2):
+        x = torch.randn(4, 2048, 1024, device=DEV, dtype=torch.bfloat16)
+        want = run(ref, x, runner=runner, backwards=backwards)
+        assert_same(run(ref, x, runner=runner, backwards=backwards), want)  # control
+        got = run(layers, x, off, runner=runner, backwards=backwards)
+        assert_same(got, want)
+        stats = off.stats
+        assert stats.bytes_offloaded > 0
+        if backwards == 1:
+            assert stats.bytes_reloaded == stats.bytes_offloaded
+        else:
+            assert stats.bytes_offloaded < stats.bytes_reloaded <= 2 * stats.bytes_offloaded
+    off.close()
+
+
 @pytest.mark.parametrize("kind", ["kwargs", "inplace", "checkpoint", "encoder"])
 def test_other_blocks_same_gradients(kind) -> None:
     torch.manual_seed(0)
