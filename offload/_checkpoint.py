@@ -157,6 +157,22 @@ class CheckpointStats:
         host_pool_bytes: host bytes handed out now.
         host_pool_reserved_bytes: host bytes the pool holds.
         host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
+
+    Example:
+        >>> import offload, torch
+        >>> ckpt = offload.CheckpointOffloader(min_tensor_bytes=0)
+        >>> layers = [torch.nn.Linear(64, 64) for _ in range(3)]
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> h = x
+        >>> for layer in layers:
+        ...     h = ckpt.checkpoint(layer, h)
+        >>> h.sum().backward()
+        >>> s = ckpt.stats
+        >>> s.calls, s.bytes_offloaded == s.bytes_reloaded == 3 * x.nbytes
+        (3, True)
+        >>> s.reloads_prefetched + s.reloads_on_demand
+        3
+        >>> ckpt.close()
     """
 
     calls: int = 0

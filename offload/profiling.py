@@ -56,6 +56,21 @@ class LayerStats:
         bytes_kept: bytes saved in this group that stayed on the device, by reason.
         d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
             timings are recorded.
+
+    Example:
+        >>> import offload, torch
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(2))
+        >>> off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
+        >>> x = torch.randn(512, 256, requires_grad=True)
+        >>> with off:
+        ...     y = layers[1](layers[0](x))
+        >>> first, second = off.stats.layers
+        >>> first.offloaded, first.bytes_offloaded == x.nbytes  # layer 0 saved x
+        (True, True)
+        >>> second.offloaded, second.bytes_offloaded
+        (False, 0)
+        >>> y.sum().backward()
+        >>> off.close()
     """
 
     index: int
@@ -117,6 +132,23 @@ class OffloadStats:
             ``"cold"``: ``True`` while those costs come from the offloader's first
             step alone, which is measured again warm);
             else ``None``.
+
+    Example:
+        >>> import offload, torch
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(3))
+        >>> off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+        >>> x = torch.randn(512, 256, requires_grad=True)
+        >>> with off:
+        ...     h = x
+        ...     for layer in layers:
+        ...         h = torch.relu(layer(h))
+        >>> h.sum().backward()
+        >>> stats = off.stats
+        >>> [layer.offloaded for layer in stats.layers]  # "all": every call but the last
+        [True, True, False]
+        >>> stats.bytes_reloaded == stats.bytes_offloaded == 2 * x.nbytes
+        True
+        >>> off.close()
     """
 
     bytes_offloaded: int = 0
@@ -293,6 +325,21 @@ class MemoryProfile:
             stall times (``timing=True`` during the profile).
         timeline: one extra offloaded step on a time axis (see :class:`Timeline`).
         torch_version: ``torch.__version__`` of the run.
+
+    Example:
+        >>> import offload, torch
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(3))
+        >>> off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+        >>> def step():
+        ...     with off:
+        ...         y = torch.randn(64, 256)
+        ...         for layer in layers:
+        ...             y = torch.relu(layer(y))
+        ...     y.square().mean().backward()
+        >>> p = offload.profile_step(step, off, steps=2)
+        >>> p.steps, p.stats.bytes_offloaded > 0, p.step_ms_with > 0
+        (2, True, True)
+        >>> off.close()
     """
 
     device: str
