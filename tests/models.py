@@ -114,6 +114,32 @@ def run_plain(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def run_between(kind: str) -> Callable[[Sequence[nn.Module], torch.Tensor], torch.Tensor]:
+    """A runner with an op between the layer calls that saves a tensor for backward:
+    ``"activation"`` (relu on each layer's output) or ``"norm"`` (a layer norm before
+    each layer, outside it, with the residual around it)."""
+
+    def run(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            if kind == "activation":
+                x = torch.relu(layer(x))
+            else:
+                x = x + layer(torch.nn.functional.layer_norm(x, x.shape[-1:]))
+        return x
+
+    return run
+
+
+def assert_reloaded_once(stats: Any, backwards: int) -> None:
+    """Something was sent, and one backward brought every byte back once (Note [release
+    order], 6); a second backward of a retained graph reloads only what it needs again."""
+    assert stats.bytes_offloaded > 0
+    if backwards == 1:
+        assert stats.bytes_reloaded == stats.bytes_offloaded
+    else:
+        assert stats.bytes_offloaded < stats.bytes_reloaded <= 2 * stats.bytes_offloaded
+
+
 def run_kwargs(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     mask = (torch.arange(x.shape[-1] * 4, device=x.device) % 3 != 0).to(x.dtype)
     aux = 0

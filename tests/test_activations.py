@@ -317,20 +317,6 @@ def test_outside_layers_and_opt_out() -> None:
     assert stats.bytes_kept["parameter"] > 0
 
 
-def _between(kind: str):
-    """A runner with an op between the layer calls that saves a tensor for backward."""
-
-    def run(layers, x):
-        for layer in layers:
-            if kind == "activation":  # an activation applied to each layer's output
-                x = torch.relu(layer(x))
-            else:  # a pre-norm outside the layer, the residual around it
-                x = x + layer(torch.nn.functional.layer_norm(x, (DIM,)))
-        return x
-
-    return run
-
-
 def _held_buffers() -> int:
     from offload._transfer import HostCopy
 
@@ -338,44 +324,32 @@ def _held_buffers() -> int:
     return sum(issubclass(type(c), HostCopy) and c.buffer is not None for c in gc.get_objects())
 
 
+@pytest.mark.parametrize("backwards", [1, 2])
 @pytest.mark.parametrize("kind", ["activation", "norm"])
-def test_a_save_between_layer_calls_is_reloaded_once(kind: str) -> None:
+def test_a_save_between_layer_calls_is_reloaded_once(kind: str, backwards: int) -> None:
     # Note [release order], 6: what an op between two calls saves joins the next call's
     # group, and its backward runs after that group's: its copy keeps the buffer the
     # group's reload made instead of being reloaded again on demand, and gives it up
-    # with its last handle
+    # with its last handle or, when a retained graph keeps the handles, at the previous
+    # group's drop (the second backward then reloads what it needs)
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
     ref = twin(layers)
-    run = _between(kind)
+    run = models.run_between(kind)
     x = torch.randn(2, 16, DIM)
     off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
-    assert_same(step(layers, x, run, off), step(ref, x, run))
-    stats = off.stats
-    assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
-    assert _held_buffers() == 0  # every buffer given up with its handles
-    off.close()
-
-
-@pytest.mark.parametrize("kind", ["activation", "norm"])
-def test_a_retained_graph_keeps_no_buffer_of_a_save_between_layer_calls(kind: str) -> None:
-    # the same saves under retain_graph: their handles outlive the backward, their
-    # buffers do not (the previous group's drop gives them up; saves before the first
-    # call stay on the device), and the second backward reloads what it needs
-    torch.manual_seed(0)
-    layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
-    ref = twin(layers)
-    run = _between(kind)
-    x = torch.randn(2, 16, DIM)
-    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
-    held = []
+    held: list[int] = []
     got = step(
-        layers, x, run, off, backwards=2, after_backward=lambda: held.append(_held_buffers())
+        layers,
+        x,
+        run,
+        off,
+        backwards=backwards,
+        after_backward=lambda: held.append(_held_buffers()),
     )
-    assert_same(got, step(ref, x, run, backwards=2))
-    assert held == [0, 0]
-    stats = off.stats
-    assert stats.bytes_offloaded < stats.bytes_reloaded <= 2 * stats.bytes_offloaded
+    assert_same(got, step(ref, x, run, backwards=backwards))
+    assert held == [0] * backwards  # no buffer outlives a backward
+    models.assert_reloaded_once(off.stats, backwards)
     off.close()
 
 

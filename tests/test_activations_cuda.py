@@ -64,15 +64,7 @@ def test_saves_between_layer_calls_reloaded_once_bf16(kind) -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6)).to(DEV, torch.bfloat16)
     ref = twin(layers)
-
-    def runner(ls, x):
-        for layer in ls:
-            if kind == "activation":
-                x = torch.relu(layer(x))
-            else:
-                x = x + layer(torch.nn.functional.layer_norm(x, (1024,)))
-        return x
-
+    runner = models.run_between(kind)
     off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     for backwards in (1, 1, 2):
         x = torch.randn(4, 2048, 1024, device=DEV, dtype=torch.bfloat16)
@@ -80,12 +72,7 @@ def test_saves_between_layer_calls_reloaded_once_bf16(kind) -> None:
         assert_same(run(ref, x, runner=runner, backwards=backwards), want)  # control
         got = run(layers, x, off, runner=runner, backwards=backwards)
         assert_same(got, want)
-        stats = off.stats
-        assert stats.bytes_offloaded > 0
-        if backwards == 1:
-            assert stats.bytes_reloaded == stats.bytes_offloaded
-        else:
-            assert stats.bytes_offloaded < stats.bytes_reloaded <= 2 * stats.bytes_offloaded
+        models.assert_reloaded_once(off.stats, backwards)
     off.close()
 
 
