@@ -203,8 +203,8 @@ def choose(
     ``1 + max_slowdown`` of the step without offloading (``gap_s``: see
     :func:`predict_step`; it counts in the step, so in what the slowdown is relative to),
     less ``backoff`` layers (more where it is negative, never the last), and never fewer
-    than ``min_offloaded`` (what memory needs:
-    :func:`memory_floor`; ``memory_note`` says why, for the reason)."""
+    than ``min_offloaded`` (what memory needs: :func:`memory_floor`; ``memory_note``
+    says why, for the reason)."""
     L = len(costs)
     base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
     limit = base * (1.0 + max_slowdown)

@@ -28,10 +28,11 @@ against ``1 + max_slowdown`` without the noise (the prediction did not find that
 free, so the noise's doubt does not count for it); above, the layer comes off again as
 any back-off does, and no step up is tried again for this kind of input (nor after any
 back-off). A step up kept is verified like any choice, so where the layer after it is
-again predicted within reach, it steps up again. A step up is one layer beyond the choice it was measured from: where the
-scale moves the prediction's choice, it is dropped. Only a round whose steps all ran at
-one size steps up: where sizes change, the ratios carry the prediction's error between
-sizes, and a trial that fails runs its steps above the limit.
+again predicted within reach, it steps up again. A step up is one layer beyond the
+choice it was measured from: where the scale moves the prediction's choice, it is
+dropped. Only a round whose steps all ran at one size steps up: where sizes change, the
+ratios carry the prediction's error between sizes, and a trial that fails runs its
+steps above the limit.
 
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
 size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,

@@ -341,7 +341,9 @@ class GroupLife:
                 copy.holders -= 1
                 if copy.holders <= 0:
                     copy.holders = 0
-                    if not copy.late:  # else its last handle drops it: Note [release order], 6
+                    # a late copy's buffer goes with its last handle or at the previous
+                    # group's drop, below (Note [release order], 6)
+                    if not copy.late:
                         self._drop_buffer(copy, reuse=True)
         nxt = group.index + 1
         if nxt < len(self.groups):

@@ -113,6 +113,11 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def _every_round(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``a``'s block was faster than ``b``'s in every round."""
+    return all(x < y for x, y in zip(a["rounds"], b["rounds"]))
+
+
 def _ahead(plan: dict[str, Any], single: dict[str, Any]) -> bool:
     """Whether ``plan`` stays over the best single lever (Note [plan against the single
     lever]): :data:`VERIFY_GAIN` faster pooled, and faster in every round."""
@@ -120,7 +125,7 @@ def _ahead(plan: dict[str, Any], single: dict[str, Any]) -> bool:
         return True
     if plan["pooled_seconds"] > single["pooled_seconds"] * (1.0 - VERIFY_GAIN):
         return False
-    return all(p < s for p, s in zip(plan["rounds"], single["rounds"]))
+    return _every_round(plan, single)
 
 
 def _leads(rival: dict[str, Any], chosen: dict[str, Any]) -> bool:
@@ -130,7 +135,7 @@ def _leads(rival: dict[str, Any], chosen: dict[str, Any]) -> bool:
         return False
     if rival["pooled_seconds"] < chosen["pooled_seconds"] * (1.0 - VERIFY_GAIN):
         return True
-    return all(r < c for r, c in zip(rival["rounds"], chosen["rounds"]))
+    return _every_round(rival, chosen)
 
 
 def verified(
