@@ -236,7 +236,7 @@ def copy_times_from_profiler(step: Callable[[], None], device: torch.device) -> 
     "codec_ms", "codec_count"}`` or ``{"error": ...}`` when the profiler is unavailable
     or recorded no copies. ``codec_ms``: the device time (union of intervals) of the
     kernels whose name contains ``quantize`` (the fp8 codec of ``compress="fp8"``,
-    ``offload/_compress.py``; it covers ``dequantize``), 0 without compression.
+    ``offload/_core/_compress.py``; it covers ``dequantize``), 0 without compression.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -26,19 +26,24 @@ first forward that offloads something.
 """
 
 from offload import integrations, main_grad, nn
-from offload._attach import AttachHandle
-from offload._checkpoint import CheckpointOffloader, CheckpointStats, checkpoint, checkpoint_stats
-from offload._graphs import make_graphed_callables
 from offload._layers import find_layers
-from offload._manual import ManualOffloadSynchronizer
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import DEFAULT_LEVERS, LEVERS
 from offload._planner.plan import Plan, plan
-from offload._profile import MemoryProfile, profile_step
+from offload._recompute._checkpoint import (
+    CheckpointOffloader,
+    CheckpointStats,
+    checkpoint,
+    checkpoint_stats,
+)
 from offload.activations import ActivationOffloader, no_offload
+from offload.activations._attach import AttachHandle
+from offload.activations._graphs import make_graphed_callables
+from offload.activations._manual import ManualOffloadSynchronizer
 from offload.config import OffloadConfig
 from offload.integrations.te import get_cpu_offload_context, mark_not_offload, start_offload
-from offload.profiling import LayerStats, OffloadStats
+from offload.profiling._profile import MemoryProfile, profile_step
+from offload.stats import LayerStats, OffloadStats
 from offload.weights import WeightOffloader
 
 __version__ = "0.2.0"

@@ -415,7 +415,7 @@ def _check_compress(compress: str | None, dtype: torch.dtype) -> None:
 
 def _reference(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
     """The reference stack, its layers and a step function."""
-    from offload._reference import ReferenceModel
+    from offload.models import ReferenceModel
 
     defaults = _DEFAULTS[device.type]
     layers = args.layers or defaults["layers"]

@@ -1,5 +1,5 @@
 """A device for ``offload_layers="auto"`` on the CPU: layer timings, step times and
-device memory injected through the policy's meter (``offload/_auto_probe.py``).
+device memory injected through the policy's meter (``offload/activations/_auto/_probe.py``).
 
 The policy runs unchanged; only what it reads from the clock and the allocator comes
 from here. Per step the meter knows the policy's record (``begin``): its size
@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from offload import _auto_fit, _auto_policy
-from offload._auto import LayerCost, predict_step
-from offload._auto_probe import DeviceMemory, Meter
+from offload.activations._auto import _fit as _auto_fit
+from offload.activations._auto import _policy as _auto_policy
+from offload.activations._auto._predict import LayerCost, predict_step
+from offload.activations._auto._probe import DeviceMemory, Meter
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def one_thread():
 
 
 def state_bounds() -> dict[str, int]:
-    """The most :meth:`offload._auto_policy.AutoPolicy.state_size` may report."""
+    """The most :meth:`offload.activations._auto._policy.AutoPolicy.state_size` may report."""
     return {
         "families": _auto_policy.MAX_FAMILIES,
         "points": _auto_fit.MAX_POINTS,

@@ -277,7 +277,7 @@ def test_variable_sequence_lengths_keep_pool_bounded() -> None:
 
 def test_pool_grows_to_the_largest_step_then_stops() -> None:
     """With slabs smaller than one step, reserved memory tracks the largest step."""
-    from offload import _host_pool
+    from offload._core import _host_pool
 
     old = _host_pool.MIN_SLAB_BYTES
     _host_pool.MIN_SLAB_BYTES = 64 << 10
@@ -318,7 +318,7 @@ def test_outside_layers_and_opt_out() -> None:
 
 
 def _held_buffers() -> int:
-    from offload._transfer import HostCopy
+    from offload._core._transfer import HostCopy
 
     gc.collect()
     return sum(issubclass(type(c), HostCopy) and c.buffer is not None for c in gc.get_objects())

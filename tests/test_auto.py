@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._auto import LayerCost, choose, predict_step
+from offload.activations._auto._predict import LayerCost, choose, predict_step
 from tests import models
 from tests.auto_fake import FakeMeter, one_thread  # noqa: F401  (fixture)
 from tests.models import assert_same, step, twin
@@ -128,7 +128,7 @@ def test_auto_measures_then_offloads_and_stays_bitwise_equal(fwd_ms, link_ms) ->
         assert auto["chosen"] == expected, (it, auto)
         assert chosen == auto["offloaded"]
         # [] only in a verifying step without offloading; the step that measures again
-        # after the cold first step offloads one layer (offload/_auto_policy.py)
+        # after the cold first step offloads one layer (offload/activations/_auto/_policy.py)
         cold_probe = auto["step"] == "probe" and auto["cold"]
         assert chosen in (expected, []) or (cold_probe and chosen == expected[:1]), auto
         assert (chosen == []) == (auto["step"] == "none" or not expected)

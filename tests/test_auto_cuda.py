@@ -23,7 +23,7 @@ import torch
 
 import offload
 from benchmarks._common import hf_step, llama_1b_config
-from offload import _auto_policy
+from offload.activations._auto import _policy as _auto_policy
 from tests.auto_fake import state_bounds
 from tests.models import ON_CUDA_DETERMINISTIC
 

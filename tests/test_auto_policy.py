@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import offload
-from offload import _auto_policy
-from offload._auto import LayerCost, choose, predict_step
+from offload.activations._auto import _policy as _auto_policy
+from offload.activations._auto._predict import LayerCost, choose, predict_step
 from tests import models
 from tests.auto_fake import FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
 from tests.models import assert_same, step, twin
@@ -237,7 +237,7 @@ def test_a_later_measurement_times_the_calls_and_predicts_their_bytes(monkeypatc
     # the first measurement counts the bytes every call saves (each goes through the
     # saved-tensor hooks); a later one at another length only times the calls: those it
     # does not offload run without the hooks, and its bytes are the prediction's
-    from offload import _saves
+    from offload.activations import _saves
 
     L = 4
     layers, ref = _model(L)
@@ -275,7 +275,7 @@ def test_a_later_measurement_of_a_changed_forward_counts_again() -> None:
     # the bytes are predicted only for the calls the counted measurement saw: when a
     # later measurement ran another number of calls, the model is dropped and the next
     # step measures afresh, counting
-    from offload._auto_probe import ProbeResult
+    from offload.activations._auto._probe import ProbeResult
 
     L = 3
     layers, ref = _model(L)

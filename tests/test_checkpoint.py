@@ -5,7 +5,7 @@ original storages are freed before backward), the stats, errors, and Hugging Fac
 gradient checkpointing through ``offload.integrations.hf.offload_checkpointing``.
 
 Without an accelerator the same code runs synchronously into host pool buffers
-(``offload/_checkpoint.py``, Note [checkpoint inputs]); the GPU side is
+(``offload/_recompute/_checkpoint.py``, Note [checkpoint inputs]); the GPU side is
 ``tests/test_checkpoint_cuda.py``.
 """
 
@@ -361,7 +361,7 @@ def test_under_an_activation_offloader(ckpt) -> None:
     act.close()
 
 
-class _EventLog(offload._device.SyncBackend):
+class _EventLog(offload._core._device.SyncBackend):
     """A synchronous backend that logs the waits and events an asynchronous one would
     issue (the copies themselves happen at once), to check their order on the CPU."""
 
@@ -406,7 +406,9 @@ def test_waits_and_events_in_order(monkeypatch) -> None:
     into the pool waits for the newest reload (4.1(d)); a prefetched buffer that is
     never used is waited for before it is dropped (4.1(e))."""
     log: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(offload._runtime, "backend_for", lambda d, _stream=None: _EventLog(d, log))
+    monkeypatch.setattr(
+        offload._core._runtime, "backend_for", lambda d, _stream=None: _EventLog(d, log)
+    )
     off = offload.CheckpointOffloader(min_tensor_bytes=0, prefetch_layers=2)
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(3))
     for i, layer in enumerate(layers):
@@ -580,7 +582,7 @@ def test_hf_default_offloader_and_reentrant_refused() -> None:
     with offload_checkpointing(model, {"preserve_rng_state": False}) as handle:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ))
         model(ids, labels=ids).loss.backward()
-        assert handle.offloader is offload._checkpoint._default_offloader()
+        assert handle.offloader is offload._recompute._checkpoint._default_offloader()
     assert handle.removed
     # tiny hidden states (4 KiB) stay under the default min_tensor_bytes
     stats = offload.checkpoint_stats(reset=True)

@@ -6,7 +6,7 @@ included (torchtune's ``training.compile_model``, many Hugging Face recipes), an
 the compiled code (the offloader given the wrappers) or inside it (given the original
 layers). Each run is compared with the same compiled layers run without offloading:
 loss, every gradient and the input gradient ``torch.equal``, and something offloaded.
-The offloader's code is an eager boundary (``offload/_dynamo.py``): dynamo breaks its
+The offloader's code is an eager boundary (``offload/_core/_dynamo.py``): dynamo breaks its
 graph at our hooks and compiles the layer's body in between. The GPU side (inductor,
 deterministic algorithms) is ``tests/test_real_world_cuda.py``.
 """
@@ -26,9 +26,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import offload
-from offload._checkpoint_call import Record as _Record
-from offload._checkpoint_call import _CallCopy as _HostCopy
-from offload._handles import Gathered, Offloaded
+from offload._recompute._call import Record as _Record
+from offload._recompute._call import _CallCopy as _HostCopy
+from offload.activations._handles import Gathered, Offloaded
 from tests import models
 from tests.models import assert_same
 
@@ -119,7 +119,7 @@ class SelfCheckpointing(nn.Module):
 
 
 def test_offload_checkpoint_traced_inside_a_compiled_layer_warns_once() -> None:
-    import offload._checkpoint as ck
+    import offload._recompute._checkpoint as ck
 
     ckpt = offload.CheckpointOffloader(min_tensor_bytes=0)
     torch_ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)

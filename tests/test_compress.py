@@ -13,17 +13,17 @@ import torch
 from torch import nn
 
 import offload
-from offload import _compress
-from offload._handles import unpack_hook
-from offload._plan import make_plan
-from offload._runtime import Runtime
-from offload._step import Step
+from offload._core import _compress
+from offload._core._runtime import Runtime
+from offload.activations._handles import unpack_hook
+from offload.activations._schedule import make_plan
+from offload.activations._step import Step
 from offload.config import OffloadConfig
 from tests import models
 from tests.models import assert_same, step, twin
 
 #: Unit roundoff ``u`` and half the subnormal spacing ``eta`` of the cast back to each
-#: dtype (the terms of the bound stated in ``offload/_compress.py``).
+#: dtype (the terms of the bound stated in ``offload/_core/_compress.py``).
 _CAST = {
     torch.bfloat16: (2.0**-8, 2.0**-134),
     torch.float16: (2.0**-11, 2.0**-25),
@@ -192,7 +192,7 @@ def test_config_errors_name_the_argument(kwargs, error, match) -> None:
 def test_large_spans_travel_in_chunks(monkeypatch) -> None:
     """Spans longer than ``_device.CHUNK_ELEMENTS`` are packed chunk by chunk (the CUDA
     backend's staging slots hold one chunk): the same bytes on the host, the same bound."""
-    from offload import _device
+    from offload._core import _device
 
     monkeypatch.setattr(_device, "CHUNK_ELEMENTS", 256)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The blockwise FP8 codec of compressed offload (``offload._compress``).
+"""The blockwise FP8 codec of compressed offload (``offload._core._compress``).
 
 CPU tests (CI): the packed layout against an independent NumPy reference of the module's
 invariant (float64 arithmetic rounded once to float32, e4m3fn round-to-nearest-even from
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from offload import _compress as codec
-from offload._compress import BLOCK, COMPRESSIBLE, packed_nbytes
+from offload._core import _compress as codec
+from offload._core._compress import BLOCK, COMPRESSIBLE, packed_nbytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SIZES = [0, 1, 127, 128, 129, 1000, 4096 + 5]
@@ -355,7 +355,7 @@ class Refuse:  # records and refuses any import of triton (_kernels() would swal
 
 sys.meta_path.insert(0, Refuse())
 import torch
-from offload import _compress as c
+from offload._core import _compress as c
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     x = torch.randn(1000).to(dtype)
     packed = torch.empty(c.packed_nbytes(x.numel()), dtype=torch.uint8)

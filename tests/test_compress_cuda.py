@@ -93,7 +93,7 @@ def test_many_chunks_cycle_the_staging_slots(monkeypatch) -> None:
     steps with one chunk per span (chunks are whole blocks: the packed bytes are the
     same), so no chunk was quantized into a slot its previous copy still read, sent
     before it was quantized, or dequantized before it arrived."""
-    from offload import _device
+    from offload._core import _device
 
     torch.manual_seed(0)
     ref = nn.ModuleList(Sleepy(256, 0) for _ in range(6)).to(DEV)

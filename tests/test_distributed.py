@@ -89,7 +89,7 @@ def _tp_worker(rank: int, port: int, results: dict) -> None:
         parallelize_module,
     )
 
-    from offload import _packing
+    from offload._core import _packing
 
     _init(rank, port)
     try:

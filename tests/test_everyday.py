@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offload
-from offload._step import Step
+from offload.activations._step import Step
 from tests import models
 from tests.models import assert_same, step, twin
 

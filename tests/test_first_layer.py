@@ -1,4 +1,4 @@
-"""The step's first layer call places its saves at its close (offload/_saves.py,
+"""The step's first layer call places its saves at its close (offload/activations/_saves.py,
 Note [release order], 1(c)), and the offloader prepares the next forward's Step when a
 forward ends. Every test compares against the model without offloading with
 ``torch.equal`` and checks that the first layer really was offloaded."""
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import offload
-from offload._device import SyncBackend
-from offload._handles import Kept, Offloaded, Pending
-from offload._step import LATE_CALLS
+from offload._core._device import SyncBackend
+from offload.activations._handles import Kept, Offloaded, Pending
+from offload.activations._step import LATE_CALLS
 
 from . import models
 
@@ -323,7 +323,7 @@ def test_inputs_copied_after_the_calls_start(lever: str, recompute: str, monkeyp
     # does an input changed in place in the call (call 2 when offloaded: a recomputed
     # call may not change its inputs), and the first call's (1(c)). Small tensors would
     # travel in buckets (1(b)), whose flat copies are kernels on the compute stream.
-    from offload import _saves
+    from offload.activations import _saves
 
     monkeypatch.setattr(_saves, "_GATHER_MAX_BYTES", 0)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Gathered copies (offload/_saves.py, Note [release order], 1(b)): the small
+"""Gathered copies (offload/activations/_saves.py, Note [release order], 1(b)): the small
 contiguous tensors of one layer call and dtype travel in one bucket, one copy each way.
 Every test compares against the model without offloading with ``torch.equal`` and
 checks that the bucket path was taken."""
@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import offload
-from offload import _saves, _transfer
-from offload._handles import Gathered, Pending
-from offload._saves import _Bucket
+from offload._core import _transfer
+from offload.activations import _saves
+from offload.activations._handles import Gathered, Pending
+from offload.activations._saves import _Bucket
 
 from . import models
 

@@ -1,4 +1,4 @@
-"""CUDA graphs, the scheduling half, on the CPU: ``offload._device.capturing`` is
+"""CUDA graphs, the scheduling half, on the CPU: ``offload._core._device.capturing`` is
 patched to say "capturing", so the synchronous backend runs exactly what a capture
 records (Note [release order], "CUDA graphs"). The captures themselves are tested on the
 GPU in ``test_graphs_cuda.py``."""
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import offload
-from offload import _device, _graphs
+from offload._core import _device
+from offload.activations import _graphs
 from tests import models
 from tests.models import twin
 
@@ -153,7 +154,7 @@ def test_auto_probe_in_capture_is_refused(capturing: list[bool]) -> None:
 def test_auto_decided_before_a_capture_runs_its_choice_unmeasured(capturing: list[bool]) -> None:
     """Two eager steps measure and decide; inside a capture the step runs the choice
     and reads nothing from the device (no event query, no wait, no memory reading)."""
-    from offload._auto import LayerCost
+    from offload.activations._auto._predict import LayerCost
     from tests.auto_fake import FakeMeter
 
     layers, x = _model(4)
@@ -218,17 +219,17 @@ def test_layer_capture_each_layer_is_self_contained(capturing: list[bool]) -> No
     off = offload.ActivationOffloader(layers, offload_layers=[0, 2, 3], min_tensor_bytes=0)
     capturing[0] = True
     released: list[int] = []
-    original = offload._step.Step._release
+    original = offload.activations._step.Step._release
 
     def spy(self, group):
         released.append(len(group.device_refs))
         return original(self, group)
 
-    offload._step.Step._release = spy  # type: ignore[method-assign]
+    offload.activations._step.Step._release = spy  # type: ignore[method-assign]
     try:
         got = _graphed_by_hand(layers, x, off)
     finally:
-        offload._step.Step._release = original  # type: ignore[method-assign]
+        offload.activations._step.Step._release = original  # type: ignore[method-assign]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     stats = off.stats

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from offload import _host_pool
-from offload._host_pool import ALIGN, MIN_SLAB_BYTES, HostPool
+from offload._core import _host_pool
+from offload._core._host_pool import ALIGN, MIN_SLAB_BYTES, HostPool
 
 
 def test_blocks_are_aligned_disjoint_and_merge_back() -> None:
@@ -180,7 +180,7 @@ def test_sorted_index_gives_the_best_fit_of_a_scan() -> None:
 
 def test_slabs_grow_with_the_pool_so_larger_tensors_fit_later() -> None:
     """Many tensors of one size, then one several times larger (a longer sequence):
-    it fits in the slabs already reserved (module docstring of offload/_host_pool.py),
+    it fits in the slabs already reserved (module docstring of offload/_core/_host_pool.py),
     and the pool holds at most about a quarter more than it ever needed."""
     mib = 1 << 20
     pool = HostPool(limit=1 << 40, pin=False)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from benchmarks.diagnostics import layer_marks  # noqa: E402
-from offload import _saves  # noqa: E402
+from offload.activations import _saves  # noqa: E402
 
 
 def test_tiny_run_on_the_cpu(tmp_path) -> None:

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from benchmarks.diagnostics import new_lengths  # noqa: E402
-from offload import _auto_policy  # noqa: E402
+from offload.activations._auto import _policy as _auto_policy  # noqa: E402
 
 
 def test_tiny_run_on_the_cpu(tmp_path) -> None:

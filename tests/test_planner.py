@@ -23,9 +23,9 @@ from offload._planner import verify as _verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import LEVERS, OFFLOADED
 from offload._planner.plan import Plan
-from offload._planner.recompute import RECOMPUTES
 from offload._planner.search import optimize
-from offload._reference import ReferenceModel
+from offload._recompute._reentrant import RECOMPUTES
+from offload.models import ReferenceModel
 
 MIB = 1 << 20
 
@@ -666,7 +666,8 @@ def inject_measurements(monkeypatch, peaks: list[float]) -> None:
     """``offload.plan`` runnable on the CPU: CUDA said to be there, the link and the
     "auto" offloader's measuring forward made to work on the CPU, and every measured
     configuration's steps run with 10 ms each and the next of ``peaks`` as its peak."""
-    from offload import _auto, _auto_policy
+    from offload.activations._auto import _policy as _auto_policy
+    from offload.activations._auto import _predict as _auto
 
     monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
@@ -953,7 +954,7 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_lever
 
 def _raw_memory_by_definition(c: PlanCosts, levers: list[str]) -> float:
     """The memory model as the module docstring states it, term by term (O(L^2))."""
-    from offload._plan import make_plan
+    from offload.activations._schedule import make_plan
 
     L = len(levers)
     S, W = c.saved_bytes, c.workspace_bytes
@@ -1079,9 +1080,9 @@ def test_layer_costs_wait_for_two_warm_reports_that_agree(monkeypatch) -> None:
 def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
     # the measuring offloader's first step is cold (pinned memory allocated, kernels
     # chosen): the planner's layer costs are those "auto" measures again, warm
-    from offload import _auto_policy
-    from offload._auto import LayerCost
     from offload._planner import fit
+    from offload.activations._auto import _policy as _auto_policy
+    from offload.activations._auto._predict import LayerCost
     from tests.auto_fake import FakeMeter
 
     L, dim = 4, 64
@@ -1111,7 +1112,7 @@ def test_timed_steps_count_the_host_seconds_of_each_timed_step() -> None:
     on a tie)."""
     import time
 
-    from offload import _measure
+    from offload._core import _measure
 
     calls: list[int] = []
 

@@ -237,7 +237,7 @@ def test_plan_measures_the_selective_step_for_the_input_lever(monkeypatch) -> No
 def test_the_table_shows_what_no_lever_touches() -> None:
     from rich.console import Console
 
-    from offload._units import format_bytes
+    from offload._core._units import format_bytes
 
     c = _llama_like()
     L = c.num_layers

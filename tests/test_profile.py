@@ -17,8 +17,9 @@ from torch import nn
 
 import offload
 from offload import MemoryProfile, cli
-from offload._render import largest_reason, ms_text, short_bytes
-from offload.profiling import LayerStats, OffloadStats, _example_dict
+from offload.profiling import LayerStats, OffloadStats
+from offload.profiling._data import _example_dict
+from offload.profiling._render import largest_reason, ms_text, short_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 B, D, F, L = 64, 32, 512, 3  # batch, width, hidden width of the MLP, layers

@@ -1,5 +1,5 @@
 """The full recompute of the ``checkpoint`` levers (Note [full recompute] in
-``offload/_planner/recompute.py``): bitwise-equal gradients with keyword arguments, any
+``offload/_recompute/_reentrant.py``): bitwise-equal gradients with keyword arguments, any
 output structure, dropout, autocast and inputs that need no gradient; its errors; and
 what it saves."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload._planner.levers import Recompute
-from offload._planner.recompute import NestedBackwardError, recompute
+from offload._recompute._reentrant import NestedBackwardError, recompute
 
 
 class _Block(torch.nn.Module):
@@ -302,7 +302,7 @@ def test_split_and_join_give_pytree_leaves_without_garbage() -> None:
 
     from torch.utils import _pytree as pytree
 
-    from offload._checkpoint_call import join, split
+    from offload._recompute._call import join, split
 
     h, m = torch.randn(2, 3), torch.ones(3)
     pair = collections.namedtuple("pair", "a b")

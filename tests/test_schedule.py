@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._plan import make_plan
+from offload.activations._schedule import make_plan
 from tests import models
 from tests.models import assert_same, twin
 

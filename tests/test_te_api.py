@@ -14,8 +14,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
-from offload._device import SyncBackend, backend_for
-from offload._host_pool import HostPool
+from offload._core._device import SyncBackend, backend_for
+from offload._core._host_pool import HostPool
 from tests import models
 from tests.models import twin
 from tests.test_tensor_kinds import FakeTEQuantized

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import offload
-from offload import _auto_policy
-from offload._auto import LayerCost
+from offload.activations._auto import _policy as _auto_policy
+from offload.activations._auto._predict import LayerCost
 from tests import models
 from tests.auto_fake import FakeMemory, FakeMeter, one_thread  # noqa: F401
 from tests.models import assert_same, step, twin

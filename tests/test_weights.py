@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload._device import Backend
+from offload._core._device import Backend
 from offload.weights import WeightOffloader
 from tests import models
 
@@ -799,7 +799,7 @@ class LateBackend(Backend):
 
 @pytest.fixture
 def late_copies(monkeypatch):
-    import offload._weights._lifecycle as impl
+    import offload.weights._lifecycle as impl
 
     monkeypatch.setattr(impl, "backend_for", LateBackend)
 

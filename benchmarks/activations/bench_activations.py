@@ -785,7 +785,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--staging-slots",
         type=int,
         default=None,
-        help="device staging slots per direction of the fp8 rows (offload._device."
+        help="device staging slots per direction of the fp8 rows (offload._core._device."
         "STAGING_SLOTS; default: the library's)",
     )
     parser.add_argument(
@@ -952,7 +952,7 @@ def model_name(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     device, cfg = args.device, args.model
-    from offload import _device
+    from offload._core import _device
 
     if args.staging_slots is not None:
         _device.STAGING_SLOTS = args.staging_slots

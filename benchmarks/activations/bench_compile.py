@@ -82,7 +82,7 @@ class _SelfCheckpointing(nn.Module):
 def measure(form: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.backends.registry import lookup_backend
 
-    import offload._checkpoint as ck
+    import offload._recompute._checkpoint as ck
 
     runs = [0]
     inner_backend = lookup_backend(args.backend)

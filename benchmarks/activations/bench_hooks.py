@@ -198,13 +198,13 @@ def pack_unpack_direct(
     handle unpacked in reverse order, then every handle dropped. Returns the per-phase
     host seconds of every run and the medians in us per tensor.
     """
-    from offload._handles import unpack_hook
-    from offload._plan import make_plan
+    from offload.activations._handles import unpack_hook
+    from offload.activations._schedule import make_plan
     from offload.config import OffloadConfig
 
     try:
-        from offload._runtime import Runtime
-        from offload._step import Step
+        from offload._core._runtime import Runtime
+        from offload.activations._step import Step
     except ImportError:  # the package before its scheduler was split into modules
         from offload._scheduler import Runtime, Step  # type: ignore[no-redef]
 

@@ -17,7 +17,7 @@ script in worker mode with ``PYTHONPATH=<tree>:<repository root>``; the worker c
 that ``offload`` was imported from ``<tree>`` and uses only the public API both trees
 share: ``offload.ActivationOffloader(layers, offload_layers=..., compress=...)`` as a
 context manager around the forward and the loss, and ``offload.checkpoint(layer, x)``.
-The model is the tree's ``offload._reference.ReferenceModel`` (the driver records
+The model is the tree's ``offload.models.ReferenceModel`` (the driver records
 whether the two trees' files are identical).
 
 Models (``--presets``): ``ref-8L``: ``ReferenceModel(8, 4096, 32, 14336)``, bf16, batch
@@ -126,7 +126,7 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import offload
-        from offload._reference import ReferenceModel
+        from offload.models import ReferenceModel
 
         tree = Path(args.tree).resolve()
         self.offload_file = Path(offload.__file__).resolve()

@@ -1,4 +1,4 @@
-"""Throughput of the blockwise FP8 codec of compressed offload (``offload/_compress.py``).
+"""Throughput of the blockwise FP8 codec of compressed offload (``offload/_core/_compress.py``).
 
 Command (one CUDA GPU, a few seconds; without a GPU, a small eager run on the CPU)::
 
@@ -61,7 +61,7 @@ from benchmarks._common import (
     synchronize,
     write_json,
 )
-from offload import _compress as codec
+from offload._core import _compress as codec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

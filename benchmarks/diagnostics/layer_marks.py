@@ -42,9 +42,12 @@ import torch
 
 import offload
 from benchmarks._common import llama_1b, results, time_methods
-from offload import _device, _group, _host_pool, _layer_calls, _saves, _step, activations
+from offload import activations
 
 #: (owner, method names) wrapped with a timer
+from offload._core import _device, _host_pool
+from offload.activations import _group, _layer_calls, _saves, _step
+
 TIMED: list[tuple[Any, list[str]]] = [
     (_saves.Saves, ["pack", "_place_deferred", "_place", "_copy", "_flush_d2h", "_queue_d2h"]),
     (_step.Step, ["open_group", "close_group", "register_trigger", "finish_forward"]),

@@ -33,7 +33,11 @@ import torch
 
 import offload
 from benchmarks._common import hf_step, llama_1b, results, time_methods
-from offload import _auto_family, _auto_fit, _auto_policy, _auto_probe, _saves, _step
+from offload.activations import _saves, _step
+from offload.activations._auto import _family as _auto_family
+from offload.activations._auto import _fit as _auto_fit
+from offload.activations._auto import _policy as _auto_policy
+from offload.activations._auto import _probe as _auto_probe
 
 TIMED: list[tuple[Any, list[str]]] = [
     (_auto_policy.AutoPolicy, ["prepare", "_collect", "_measured", "_decide"]),

@@ -8,7 +8,7 @@ Command (one H200, about a minute)::
 Configurations, each on every decoder layer or on the first ``--some`` of them:
 no lever; Hugging Face gradient checkpointing (``torch.utils.checkpoint``,
 non-reentrant); ``offload.Plan`` with ``checkpoint`` and with ``checkpoint_offload``, both
-``recompute="reentrant"`` (Note [full recompute] in ``offload/_planner/recompute.py``), and
+``recompute="reentrant"`` (Note [full recompute] in ``offload/_recompute/_reentrant.py``), and
 with ``selective`` (torch's non-reentrant checkpoint with the lever's two dispatch modes). ``--rounds`` rounds
 of blocks of ``--steps`` steps (one warm-up step per block), each round in the reverse
 order of the one before. Per configuration: the median device ms (CUDA events after a

@@ -113,7 +113,7 @@ from typing import Any
 
 import torch
 
-from offload._warn import warn_at_caller
+from offload._core._warn import warn_at_caller
 
 __all__ = [
     "HALF", "BLOCK", "COMPRESSIBLE", "TILING", "packed_nbytes", "quantize_into",

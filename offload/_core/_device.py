@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from offload import _compress
+from offload._core import _compress
 
 __all__ = [
     "Backend",
@@ -64,7 +64,7 @@ def empty(request: Request, device: torch.device) -> torch.Tensor:
 #: One copy: ``(src, dst, codec)``. ``codec`` is ``None`` (copy the bytes exactly) or
 #: the dtype of the elements (``compress="fp8"``): D2H quantizes ``src`` (a byte view
 #: of whole elements of that dtype) into ``dst``, chunk by chunk (``CHUNK_ELEMENTS``):
-#: the host bytes are the packed forms of ``offload/_compress.py`` of each chunk, back
+#: the host bytes are the packed forms of ``offload/_core/_compress.py`` of each chunk, back
 #: to back; H2D dequantizes them into ``dst``. Both backends use this layout.
 Copies = list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from offload._device import Backend, backend_for
-from offload._host_pool import HostBlock, HostPool
-from offload._warn import warn_at_caller
+from offload._core._device import Backend, backend_for
+from offload._core._host_pool import HostBlock, HostPool
+from offload._core._warn import warn_at_caller
 
 __all__ = ["Runtime", "in_backward", "opted_out"]
 

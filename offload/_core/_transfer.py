@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload._host_pool import HostBlock
+from offload._core._host_pool import HostBlock
 
 __all__ = ["HostCopy"]
 
@@ -87,7 +87,7 @@ class HostCopy:
         self.ref = None if storage is None else StorageWeakRef(storage)
         self.storage_nbytes = storage_nbytes
         #: compress="fp8": the dtype the span is quantized from (its host bytes are the
-        #: packed form of offload/_compress.py); None: the span's bytes, exactly
+        #: packed form of offload/_core/_compress.py); None: the span's bytes, exactly
         self.codec = codec
         #: (dtype, size, stride) when the span is the whole storage of a contiguous
         #: tensor of that geometry (the common case): its host bytes are written and read

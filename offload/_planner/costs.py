@@ -25,7 +25,7 @@ The model is deliberately small so that every prediction can be explained:
   prediction is anchored on the measured peak without levers.
 * **Time.** Recompute adds to a layer's backward the measured extra time of its lever
   (the lever-on-every-layer step minus the plain step, shared out in proportion to the
-  layers' forward times). Offloading follows ``offload/_auto.py``'s replay of the copy
+  layers' forward times). Offloading follows ``offload/activations/_auto/_predict.py``'s replay of the copy
   schedule (one copy stream per direction, overlapping the compute beside it, the
   release and reload points of ``# Note [release order]``); with ``compress="fp8"`` each
   offloaded layer also costs a time fitted to the every-layer offload step (the codec's
@@ -40,9 +40,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from offload import _auto
-from offload._plan import make_plan
 from offload._planner.levers import OFFLOADED, RECOMPUTE_KIND
+from offload.activations._auto import _predict as _auto
+from offload.activations._schedule import make_plan
 
 __all__ = ["PlanCosts"]
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from offload import _measure
+from offload._core import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
-from offload._planner.recompute import RECOMPUTES, NestedBackwardError
-from offload._timeline import Recorder
+from offload._recompute._reentrant import RECOMPUTES, NestedBackwardError
+from offload.profiling._timeline import Recorder
 
 __all__ = ["COST_STEPS", "Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
 

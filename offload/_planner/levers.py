@@ -2,7 +2,7 @@
 
 ``keep`` and ``offload`` need nothing here (the offloader does the offloading); the five
 recompute levers wrap the layer's forward (:class:`Recompute`): the full ones in
-``torch.utils.checkpoint`` or :func:`offload._planner.recompute.recompute` (the plan's
+``torch.utils.checkpoint`` or :func:`offload._recompute._reentrant.recompute` (the plan's
 ``recompute``), the selective ones in ``torch.utils.checkpoint`` through a pair of
 dispatch modes that keep the outputs of matrix products and attention
 (:class:`KeepOutputs`, :class:`RecomputeFromKept`) and learn which of them no recompute
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload._handles import Kept, Raw, unpack_hook
-from offload._planner.recompute import check_recompute, recompute
+from offload._recompute._reentrant import check_recompute, recompute
+from offload.activations._handles import Kept, Raw, unpack_hook
 
 __all__ = [
     "DEFAULT_LEVERS",
@@ -192,7 +192,7 @@ def call_key(calls: dict[Any, int], func: Any) -> tuple[Any, int]:
 class KeepOutputs(TorchDispatchMode):
     """The forward half of the selective levers: runs every op and hands each tensor
     output of the kept ops (:func:`_save_ops`, less the keys ``kept`` learnt are never
-    used) to ``pack`` (``offload._handles.Kept``: stays on the device; or the offloader's
+    used) to ``pack`` (``offload.activations._handles.Kept``: stays on the device; or the offloader's
     ``Step.pack``: a copy to the host, released on its schedule), into ``storage``."""
 
     def __init__(
@@ -300,7 +300,7 @@ class Recompute:
         """``context_fn`` of the selective levers: a fresh storage per layer call. The
         kept outputs go to the offloader's current step under ``selective_offload``
         inside its context; otherwise (``selective``, ``selective_offload_inputs``) they
-        stay on the device (``offload._handles.Kept``)."""
+        stay on the device (``offload.activations._handles.Kept``)."""
         step = None
         if self.lever == "selective_offload" and self.offloader is not None:
             step = self.offloader._step

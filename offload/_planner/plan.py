@@ -58,9 +58,9 @@ from offload._planner.levers import (
     check_levers,
     summary,
 )
-from offload._planner.recompute import check_recompute
 from offload._planner.search import compression
 from offload._planner.verify import verified
+from offload._recompute._reentrant import check_recompute
 from offload.config import _check_int
 
 __all__ = ["Plan", "plan"]
@@ -397,23 +397,23 @@ class Plan:
     def table(self) -> Any:
         """A :class:`rich.table.Table`: one row per layer (lever, bytes kept between
         forward and backward, bytes sent each way, added backward ms) and a total row."""
-        from offload import _render
+        from offload._planner import report
 
-        return _render.plan_table(self)
+        return report.plan_table(self)
 
     def summary(self) -> str:
         """Predicted time and peak against the step without levers and the budget."""
-        from offload import _render
+        from offload._planner import report
 
-        return _render.plan_summary(self)
+        return report.plan_summary(self)
 
     def report(self, console: Any = None) -> None:
         """Print the table, the measured configurations (when measured) and the summary
         with rich (``console``: a :class:`rich.console.Console`; default a new one on
         stdout)."""
-        from offload import _render
+        from offload._planner import report
 
-        _render.render_plan(self, console)
+        report.render_plan(self, console)
 
     def __repr__(self) -> str:
         return f"Plan({summary(self.levers)})"

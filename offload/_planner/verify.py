@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from offload import _measure
+from offload._core import _measure
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import OFFLOADED, SHORT, summary
 from offload._planner.search import candidates, single_levers
@@ -97,7 +97,7 @@ def measure_step(step_fn: Callable[[], Any], steps: int, warmup: int) -> dict[st
     """Median step seconds (CUDA events), the largest activation peak (allocated during
     the step above what was allocated before it: weights, gradients), every measured
     step's seconds (``"times"``) and host seconds to the step's return
-    (``"host_times"``), from a settled state (:func:`offload._measure.settle`:
+    (``"host_times"``), from a settled state (:func:`offload._core._measure.settle`:
     every configuration is measured from the same state, so that their times compare)."""
     got = _measure.timed_steps(step_fn, steps, warmup)
     peak = got.activation

@@ -14,14 +14,15 @@ import torch
 from torch.utils import _python_dispatch
 from torch.utils import _pytree as pytree
 
-from offload import _packing, _placement
-from offload._device import Backend
-from offload._handles import inplace_message
-from offload._host_pool import HostBlock
-from offload._transfer import HostCopy
+import offload.activations._placement as _placement
+from offload._core import _packing
+from offload._core._device import Backend
+from offload._core._host_pool import HostBlock
+from offload._core._transfer import HostCopy
+from offload.activations._handles import inplace_message
 
 if TYPE_CHECKING:
-    from offload._checkpoint import CheckpointRuntime
+    from offload._recompute._checkpoint import CheckpointRuntime
 
 __all__ = ["Record", "backward_started", "flatten", "grad_tensors", "release", "stash"]
 

@@ -87,7 +87,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_ckpt
 
-from offload._checkpoint_call import (
+from offload._core._runtime import Runtime, in_backward, opted_out  # no_offload() keeps inputs
+from offload._core._warn import warn_at_caller
+from offload._recompute._call import (
     Record,
     backward_started,
     flatten,
@@ -95,8 +97,6 @@ from offload._checkpoint_call import (
     release,
     stash,
 )
-from offload._runtime import Runtime, in_backward, opted_out  # no_offload() keeps inputs
-from offload._warn import warn_at_caller
 
 __all__ = [
     "CHECKPOINT_KEEP_REASONS",
@@ -421,7 +421,7 @@ def _warn_traced_impl() -> None:
 
 
 def _warn_traced() -> None:
-    from offload._dynamo import eager
+    from offload._core._dynamo import eager
 
     eager(_warn_traced_impl)()
 

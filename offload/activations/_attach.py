@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload import _dynamo
+from offload._core import _dynamo
 
 if TYPE_CHECKING:
-    from offload.activations import ActivationOffloader
+    from offload.activations._offloader import ActivationOffloader
 
 __all__ = ["AttachHandle", "LayerHooks"]
 
@@ -62,7 +62,7 @@ class LayerHooks:
 
     A forward expected to offload nothing registers them on its first layer only
     (``partial``); :meth:`add_rest` registers the others when it turns out to offload
-    (Note [untracked calls] in ``offload/_layer_calls.py``).
+    (Note [untracked calls] in ``offload/activations/_layer_calls.py``).
     """
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:

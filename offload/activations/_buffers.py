@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from offload._device import Backend, Request
+from offload._core._device import Backend, Request
 
 __all__ = ["ReloadBuffers"]
 

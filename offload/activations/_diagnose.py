@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from offload._handles import unpack_hook
-from offload._packing import tensors_requiring_grad
+from offload._core._packing import tensors_requiring_grad
+from offload.activations._handles import unpack_hook
 
 __all__ = ["CallOrder", "saved_elsewhere"]
 

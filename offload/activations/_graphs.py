@@ -2,7 +2,7 @@
 offloaded layer call as a one-group forward that joins its copies at its own end and
 reloads them at the start of its own backward graph, so no copy crosses from one layer's
 graph into the next. A whole step captured in one graph needs nothing from here: enter
-the offloader inside the capture (``# Note [release order]`` in ``offload/_step.py``)."""
+the offloader inside the capture (``# Note [release order]`` in ``offload/activations/_step.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from offload import _context, _device
-from offload._handles import Kept, unpack_hook
-from offload._plan import Schedule, plan_forward
-from offload._step import Step
-from offload.activations import ActivationOffloader
-from offload.profiling import OffloadStats
+from offload._core import _context, _device
+from offload.activations._handles import Kept, unpack_hook
+from offload.activations._offloader import ActivationOffloader
+from offload.activations._schedule import Schedule, plan_forward
+from offload.activations._step import Step
+from offload.stats import OffloadStats
 
 __all__ = ["make_graphed_callables"]
 

@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _placement
-from offload._buffers import _storage_use_count
-from offload._handles import (
+import offload.activations._placement as _placement
+from offload._core._transfer import HostCopy
+from offload.activations._buffers import _storage_use_count
+from offload.activations._handles import (
     Held,
     Kept,
     Offloaded,
     Pending,
     inplace_message,
 )
-from offload._transfer import HostCopy
-from offload.profiling import LayerStats
+from offload.stats import LayerStats
 
 if TYPE_CHECKING:
-    from offload._saves import _Bucket
+    from offload.activations._saves import _Bucket
 
 __all__ = ["CLOSED", "OPEN", "RELEASED", "Group", "GroupLife", "GroupState"]
 
@@ -101,7 +101,7 @@ class Group:
         #: and the storages of its inputs (``_cdata``) with their versions then
         self.input_mark: Any = None
         self.input_versions: dict[int, int] | None = None
-        #: timing records (timing=True, or a measuring forward's: offload/_auto_probe.py)
+        #: timing records (timing=True, or a measuring forward's: offload/activations/_auto/_probe.py)
         self.times: list[tuple[Any, ...]] | None = None
         #: manual mode: saves waiting for start_offload_layer: (weakref to the Held
         #: handle, span start, span end, base span or None, bytes counted not_selected)
@@ -123,7 +123,7 @@ class Group:
 
 class GroupLife:
     """The transitions of a forward's groups: release, reload, drop, and the death of
-    their handles (a part of :class:`offload._step.Step`, whose state it uses)."""
+    their handles (a part of :class:`offload.activations._step.Step`, whose state it uses)."""
 
     def _release_members(self, bucket: _Bucket) -> int:
         """The release of a bucket's members (Note [release order], 3): the in-place

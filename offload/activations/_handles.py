@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload import _packing
+from offload._core import _packing
 
 if TYPE_CHECKING:
-    from offload._group import Group as _Group
-    from offload._saves import _Bucket
-    from offload._step import Step
-    from offload._transfer import HostCopy as _Copy
+    from offload._core._transfer import HostCopy as _Copy
+    from offload.activations._group import Group as _Group
+    from offload.activations._saves import _Bucket
+    from offload.activations._step import Step
 
 __all__ = [
     "Held",

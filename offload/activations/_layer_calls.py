@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload import _context
-from offload._diagnose import saved_elsewhere
-from offload._warn import warn_at_caller
+from offload._core import _context
+from offload._core._warn import warn_at_caller
+from offload.activations._diagnose import saved_elsewhere
 
 if TYPE_CHECKING:
-    from offload._step import Step
+    from offload.activations._step import Step
 
 __all__ = ["LayerCalls"]
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from offload import _context, _device
-from offload._handles import unpack_hook
-from offload._plan import Schedule, plan_forward
-from offload._runtime import Runtime
-from offload._step import Step
+from offload._core import _context, _device
+from offload._core._runtime import Runtime
+from offload.activations._handles import unpack_hook
+from offload.activations._schedule import Schedule, plan_forward
+from offload.activations._step import Step
 from offload.config import OffloadConfig
-from offload.profiling import OffloadStats
+from offload.stats import OffloadStats
 
 __all__ = ["ManualOffloadSynchronizer"]
 

@@ -10,21 +10,22 @@ from typing import Any
 
 import torch
 
-from offload import _attach, _context, _device
-from offload._attach import AttachHandle, LayerHooks
-from offload._auto_policy import AutoPolicy
-from offload._diagnose import CallOrder
-from offload._handles import unpack_hook
-from offload._layer_calls import LayerCalls
-from offload._manual import _prune
-from offload._plan import check_selection, plan_forward
-from offload._runtime import Runtime
-from offload._runtime import enter_no_offload as _enter_no_offload
-from offload._runtime import exit_no_offload as _exit_no_offload
-from offload._step import Step
-from offload._warn import warn_at_caller
+import offload.activations._attach as _attach
+from offload._core import _context, _device
+from offload._core._runtime import Runtime
+from offload._core._runtime import enter_no_offload as _enter_no_offload
+from offload._core._runtime import exit_no_offload as _exit_no_offload
+from offload._core._warn import warn_at_caller
+from offload.activations._attach import AttachHandle, LayerHooks
+from offload.activations._auto._policy import AutoPolicy
+from offload.activations._diagnose import CallOrder
+from offload.activations._handles import unpack_hook
+from offload.activations._layer_calls import LayerCalls
+from offload.activations._manual import _prune
+from offload.activations._schedule import check_selection, plan_forward
+from offload.activations._step import Step
 from offload.config import LayerSelection, OffloadConfig
-from offload.profiling import OffloadStats
+from offload.stats import OffloadStats
 
 __all__ = ["ActivationOffloader", "no_offload"]
 
@@ -45,7 +46,7 @@ _NOT_CALLED = (
 
 @dataclasses.dataclass(frozen=True)
 class CaptureView:
-    """What per-layer CUDA graph capture (``offload/_graphs.py``) reads from an
+    """What per-layer CUDA graph capture (``offload/activations/_graphs.py``) reads from an
     :class:`ActivationOffloader`: its layers, its runtime and its layer selection."""
 
     layers: tuple[torch.nn.Module, ...]
@@ -109,7 +110,7 @@ class ActivationOffloader(LayerCalls):
             half the link bytes and host memory of bf16. Each element ``x`` comes back
             within about ``2**-4 * |x| + 2**-10 * amax / 448`` (``amax``: the largest
             finite magnitude in its block of 128), plus the rounding of the cast back
-            to its dtype (exact statement: ``offload/_compress.py``); an inf or NaN
+            to its dtype (exact statement: ``offload/_core/_compress.py``); an inf or NaN
             comes back as NaN, alone. ``stats`` reports the bytes before and after
             compression.
         compress_filter: ``callable(tensor) -> bool``; ``True`` compresses a floating
@@ -138,7 +139,7 @@ class ActivationOffloader(LayerCalls):
     offloader is entered inside the capture; replays then run its copies with no Python.
     For per-layer graphs use :func:`offload.make_graphed_callables`.
 
-    Invariants (``# Note [release order]`` in ``offload/_step.py`` says why each
+    Invariants (``# Note [release order]`` in ``offload/activations/_step.py`` says why each
     holds): a copy never starts before the kernel that produced its bytes; a device block
     is never freed before its copy finished; a reloaded tensor is never read before its
     copy finished; host memory comes from a pool of slabs reused across steps; nothing
@@ -376,7 +377,7 @@ class ActivationOffloader(LayerCalls):
         return f"ActivationOffloader({len(self._layers)} layers, {fields})"
 
     def _capture_view(self) -> CaptureView:
-        """What per-layer graph capture (offload/_graphs.py) reads."""
+        """What per-layer graph capture (offload/activations/_graphs.py) reads."""
         return CaptureView(tuple(self._layers), self._runtime, self.config.offload_layers)
 
     def _show_stats_of(self, source: Any) -> None:
@@ -514,7 +515,7 @@ def _check_layers(layers: Any, config: OffloadConfig) -> list[torch.nn.Module]:
 
 def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
     """Why the layers selected in ``step`` offloaded no byte (a warning's text)."""
-    from offload._placement import summary_hint
+    from offload.activations._placement import summary_hint
 
     kept: dict[str, int] = {}
     for g in step.groups:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from offload import _packing
+from offload._core import _packing
 
 __all__ = ["LayerState", "layer_state", "marked", "parameter_like"]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from offload import _device
+from offload._core import _device
 
 if TYPE_CHECKING:
-    from offload._step import Step
+    from offload.activations._step import Step
 
 __all__ = ["MANUAL", "RECORDINGS", "SCHEDULED", "Recording", "Trigger"]
 

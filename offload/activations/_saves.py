@@ -13,8 +13,12 @@ import torch
 from torch._utils import _flatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _compress, _packing, _placement
-from offload._handles import (
+import offload.activations._placement as _placement
+from offload._core import _compress, _packing
+from offload._core._host_pool import HostBlock
+from offload._core._runtime import thread_state
+from offload._core._transfer import HostCopy
+from offload.activations._handles import (
     Gathered,
     Kept,
     Offloaded,
@@ -23,12 +27,9 @@ from offload._handles import (
     Pending,
     Raw,
 )
-from offload._host_pool import HostBlock
-from offload._runtime import thread_state
-from offload._transfer import HostCopy
 
 if TYPE_CHECKING:
-    from offload._group import Group
+    from offload.activations._group import Group
 
 __all__ = ["Saves"]
 
@@ -116,7 +117,7 @@ class _Bucket(HostCopy):
 
 
 class Saves:
-    """The placement of a forward's saves (a part of :class:`offload._step.Step`,
+    """The placement of a forward's saves (a part of :class:`offload.activations._step.Step`,
     whose state it uses)."""
 
     # ---- forward: packing ------------------------------------------------------------

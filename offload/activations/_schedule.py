@@ -2,7 +2,7 @@
 
 Pure functions of the forward's length and the ``offload_layers`` setting; no tensors,
 no state. The schedule itself is explained in ``# Note [release order]``
-(``offload/_step.py``).
+(``offload/activations/_step.py``).
 """
 
 from __future__ import annotations

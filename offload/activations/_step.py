@@ -98,20 +98,20 @@ from typing import Any
 
 import torch
 
-from offload import _packing, _timing
-from offload._buffers import ReloadBuffers
-from offload._device import Backend
-from offload._group import CLOSED, OPEN, RELEASED, Group, GroupLife
-from offload._handles import (
+from offload._core import _packing, _timing
+from offload._core._device import Backend
+from offload._core._runtime import Runtime
+from offload._core._transfer import HostCopy
+from offload.activations._buffers import ReloadBuffers
+from offload.activations._group import CLOSED, OPEN, RELEASED, Group, GroupLife
+from offload.activations._handles import (
     Offloaded,
     Pending,
 )
-from offload._plan import Schedule
-from offload._policy import MANUAL, RECORDINGS, SCHEDULED, Recording, Trigger
-from offload._runtime import Runtime
-from offload._saves import Saves, _Bucket, _nbytes
-from offload._transfer import HostCopy
-from offload.profiling import KEEP_REASONS, LayerStats, OffloadStats
+from offload.activations._policy import MANUAL, RECORDINGS, SCHEDULED, Recording, Trigger
+from offload.activations._saves import Saves, _Bucket, _nbytes
+from offload.activations._schedule import Schedule
+from offload.stats import KEEP_REASONS, LayerStats, OffloadStats
 
 __all__ = ["LATE_CALLS", "Step"]
 
@@ -169,7 +169,7 @@ class Step(Saves, GroupLife):
         #: ... and every group keeps the saved-tensor hooks, those not offloaded counting
         #: the bytes they would send (a first measurement; later ones predict the bytes)
         self.counts = False
-        #: offload_layers="auto"'s observer of this forward (offload/_auto_probe.py):
+        #: offload_layers="auto"'s observer of this forward (offload/activations/_auto/_probe.py):
         #: told when a group opens and closes, and (measuring) of each candidate save
         self.watch: Any = None
         #: D2H copies not issued yet (Note [release order], 1): issued in small batches

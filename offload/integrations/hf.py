@@ -125,7 +125,7 @@ def offload_checkpointing(
         >>> offload.checkpoint_stats().bytes_offloaded > 0  # doctest: +SKIP
         True
     """
-    from offload._checkpoint import CheckpointOffloader, _default_offloader
+    from offload._recompute._checkpoint import CheckpointOffloader, _default_offloader
 
     if not isinstance(model, nn.Module) or not callable(
         getattr(model, "gradient_checkpointing_enable", None)

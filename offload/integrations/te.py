@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from offload import _context, _packing
-from offload._manual import ManualOffloadSynchronizer, _ManualContext
-from offload._warn import warn_at_caller
+from offload._core import _context, _packing
+from offload._core._warn import warn_at_caller
 from offload.activations import ActivationOffloader
+from offload.activations._manual import ManualOffloadSynchronizer, _ManualContext
 from offload.config import OffloadConfig
 
 __all__ = ["get_cpu_offload_context", "mark_not_offload", "start_offload"]
@@ -160,7 +160,7 @@ def get_cpu_offload_context(
         pair = (ctx, ctx.sync)
     if offload_weights:  # weights too: the weight offloader wraps the pair
         # loaded here: it imports dynamo (as costly as torch) when it loads
-        from offload._weights import manual_weight_context
+        from offload.weights._manual import manual_weight_context
 
         return manual_weight_context(pair, num_layers, model_layers)
     return pair

@@ -1,7 +1,6 @@
-"""What offloading did and measured, as data: :class:`OffloadStats` and
-:class:`LayerStats` (one forward), :class:`MemoryProfile` and its :class:`Timeline`
-(:func:`offload.profile_step`). Their rich rendering lives in ``offload/_render.py`` and
-their plot in ``offload/_plot.py``; neither is imported until a report or plot is asked for."""
+"""What :func:`offload.profile_step` measured, as data: :class:`MemoryProfile` and its
+:class:`Timeline` of layer, copy and memory spans. Their rendering is ``_render`` and
+their plot ``_plot`` in this package, imported only when a report or plot is asked for."""
 
 from __future__ import annotations
 
@@ -10,190 +9,10 @@ from typing import Any
 
 import torch
 
-from offload._units import format_bytes
+from offload._core._units import format_bytes
+from offload.stats import LayerStats, OffloadStats
 
-__all__ = [
-    "KEEP_REASONS",
-    "CopySpan",
-    "LayerSpan",
-    "LayerStats",
-    "MemoryProfile",
-    "MemorySample",
-    "OffloadStats",
-    "Timeline",
-    "format_bytes",
-]
-
-#: Every reason a saved tensor stays on the device.
-KEEP_REASONS: tuple[str, ...] = (
-    "small",
-    "parameter",
-    "not_selected",
-    "outside_layers",
-    "filtered",
-    "host_limit",
-    "opted_out",
-    "shared",
-    "device",
-    "unsupported",
-)
-
-
-def _reasons() -> dict[str, int]:
-    return dict.fromkeys(KEEP_REASONS, 0)
-
-
-@dataclasses.dataclass
-class LayerStats:
-    """One group (one layer call) of a forward.
-
-    Attributes:
-        index: position of the call in the forward (0-based).
-        offloaded: whether the group was selected for offloading.
-        bytes_offloaded: bytes this group sent to the host (each storage once).
-        bytes_released: device bytes freed when the group was released (storages whose
-            last reference was the offloader's).
-        bytes_kept: bytes saved in this group that stayed on the device, by reason.
-        d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
-            timings are recorded.
-
-    Example:
-        >>> import offload, torch
-        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(2))
-        >>> off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0)
-        >>> x = torch.randn(512, 256, requires_grad=True)
-        >>> with off:
-        ...     y = layers[1](layers[0](x))
-        >>> first, second = off.stats.layers
-        >>> first.offloaded, first.bytes_offloaded == x.nbytes  # layer 0 saved x
-        (True, True)
-        >>> second.offloaded, second.bytes_offloaded
-        (False, 0)
-        >>> y.sum().backward()
-        >>> off.close()
-    """
-
-    index: int
-    offloaded: bool
-    bytes_offloaded: int = 0
-    bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
-    bytes_released: int = 0
-    d2h_seconds: float | None = None
-    h2d_seconds: float | None = None
-    stall_seconds: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LayerStats:
-        """The inverse of :meth:`to_dict` (also after a JSON round trip)."""
-        return cls(**data)
-
-
-@dataclasses.dataclass
-class OffloadStats:
-    """The most recent forward under an offloader, completed by its backward.
-
-    Attributes:
-        bytes_offloaded: bytes copied to the host, each storage span counted once (after
-            compression, with ``compress="fp8"``: the bytes that crossed the link).
-        bytes_kept: bytes of saved tensors that stayed on the device, for every reason
-            of :data:`KEEP_REASONS` (0 when unused).
-        bytes_by_dtype: offloaded bytes per dtype name (``"bfloat16"``, ``"float8_e4m3fn"``);
-            compressed spans under ``"<dtype> as fp8"`` (``"bfloat16 as fp8"``), counted
-            after compression (fp8 bytes and their scales).
-        compress_bytes_before: with ``compress="fp8"``, the bytes of the spans that were
-            compressed, before compression (0 without compression).
-        compress_bytes_after: the same spans after compression (fp8 elements and fp32
-            scales): ``compress_bytes_after / compress_bytes_before`` is the ratio
-            (about 0.51 for bf16, 0.26 for fp32).
-        bytes_reloaded: bytes copied back to the device so far (grows during backward).
-        bytes_released: device bytes the releases freed: offloaded storages that nothing
-            else referenced (a layer output also saved by a layer that is not offloaded,
-            or an input the caller still holds, travels but frees nothing). The drop of
-            peak memory is measured against this number.
-        layers: one :class:`LayerStats` per group, in call order. A forward that
-            offloads nothing tracks its first call only: the later calls are listed
-            with zeros, and ``bytes_kept`` counts what was saved before the second call.
-        host_pool_bytes: host bytes handed out by the pool now.
-        host_pool_reserved_bytes: host bytes the pool holds (pinned where possible).
-        host_pool_peak_bytes: most host bytes handed out at once since the pool was made.
-        auto: with ``offload_layers="auto"``, what was chosen for this forward and why
-            (``"reason"``: one sentence; ``"step"``: ``"probe"`` (a measuring forward),
-            ``"plan"`` (the choice) or ``"none"`` (nothing offloaded: a verifying step,
-            or nothing hides); ``"phase"``: ``"measure"``, ``"verify"`` or
-            ``"settled"``; after a decision also ``"offloaded"`` (this step),
-            ``"chosen"``, ``"predicted_ratio"``, ``"measured_ratio"`` (against steps
-            without offloading), ``"memory_reason"`` (when memory forced more
-            offloading than the link hides), ``"memory"`` (limit, predicted peaks, the
-            fewest layers memory needs), ``"scale"``, the ``"costs"`` and link GB/s,
-            ``"cold"``: ``True`` while those costs come from the offloader's first
-            step alone, which is measured again warm);
-            else ``None``.
-
-    Example:
-        >>> import offload, torch
-        >>> layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(3))
-        >>> off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
-        >>> x = torch.randn(512, 256, requires_grad=True)
-        >>> with off:
-        ...     h = x
-        ...     for layer in layers:
-        ...         h = torch.relu(layer(h))
-        >>> h.sum().backward()
-        >>> stats = off.stats
-        >>> [layer.offloaded for layer in stats.layers]  # "all": every call but the last
-        [True, True, False]
-        >>> stats.bytes_reloaded == stats.bytes_offloaded == 2 * x.nbytes
-        True
-        >>> off.close()
-    """
-
-    bytes_offloaded: int = 0
-    bytes_kept: dict[str, int] = dataclasses.field(default_factory=_reasons)
-    bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
-    bytes_reloaded: int = 0
-    bytes_released: int = 0
-    layers: list[LayerStats] = dataclasses.field(default_factory=list)
-    host_pool_bytes: int = 0
-    host_pool_reserved_bytes: int = 0
-    host_pool_peak_bytes: int = 0
-    auto: dict[str, Any] | None = None
-    compress_bytes_before: int = 0
-    compress_bytes_after: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OffloadStats:
-        """The inverse of :meth:`to_dict` (also after a JSON round trip)."""
-        fields = dict(data)
-        fields["layers"] = [LayerStats.from_dict(la) for la in fields.get("layers", [])]
-        return cls(**fields)
-
-    def table(self) -> Any:
-        """A :class:`rich.table.Table` with one row per layer and a total row (fits 80
-        columns; short headers explained by the legend that :meth:`report` prints)."""
-        from offload import _render
-
-        return _render.layer_table(self, "offload: saved tensors of the last forward")
-
-    def summary(self) -> str:
-        """One line: sent, kept by reason (non-zero only), host pool."""
-        from offload import _render
-
-        return _render.stats_summary(self)
-
-    def report(self, console: Any = None) -> None:
-        """Print the table, a legend line and the summary with rich (``console``:
-        a :class:`rich.console.Console`; default a new one on stdout)."""
-        from offload import _render
-
-        _render.render_stats(self, console)
+__all__ = ["CopySpan", "LayerSpan", "MemoryProfile", "MemorySample", "Timeline"]
 
 
 @dataclasses.dataclass
@@ -467,7 +286,7 @@ class MemoryProfile:
             console: a :class:`rich.console.Console`. Default ``None``: a new one on
                 stdout. The table fits 80 columns.
         """
-        from offload import _render
+        import offload.profiling._render as _render
 
         _render.render_profile(self, console)
 
@@ -485,7 +304,7 @@ class MemoryProfile:
             ImportError: matplotlib is not installed (``pip install "offload[plot]"``).
             ValueError: the profile has no timeline.
         """
-        from offload import _plot
+        import offload.profiling._plot as _plot
 
         _plot.save_profile_plot(self, path)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offload.profiling import MemoryProfile
+    from offload.profiling._data import MemoryProfile
 
 __all__ = ["PLOT_HINT", "save_profile_plot"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from offload import _measure
-from offload._timeline import record_timeline
-from offload.profiling import MemoryProfile, OffloadStats, Timeline
+from offload._core import _measure
+from offload.profiling._data import MemoryProfile, OffloadStats, Timeline
+from offload.profiling._timeline import record_timeline
 
 __all__ = ["MemoryProfile", "profile_step"]
 

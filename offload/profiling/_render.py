@@ -1,32 +1,24 @@
-"""Text rendering (rich) of :class:`offload.OffloadStats`, :class:`offload.MemoryProfile`
-and :class:`offload.Plan`.
-
-The data stays data only; everything that turns it into tables and sentences is here,
-and nothing here is imported by the data's modules except inside the methods that
-render (``report()``, ``table()``). Tables fit an 80-column terminal: short headers, sizes as ``704.5M`` (binary units)
-and a legend line that spells both out.
-"""
+"""Text rendering (rich) of :class:`offload.OffloadStats` and :class:`offload.MemoryProfile`.
+The data stays data only; :mod:`offload.stats` calls this module as registered by the
+package (Note [rendering]). Tables fit an 80-column terminal: short headers, sizes as
+``704.5M`` (binary units) and a legend line that spells both out. Plans render in
+``offload/_planner/report.py``, with the helpers here."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from offload._units import format_bytes
+from offload._core._units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offload._planner.plan import Plan
-    from offload.profiling import LayerStats, MemoryProfile, OffloadStats
+    from offload.profiling._data import LayerStats, MemoryProfile, OffloadStats
 
 __all__ = [
     "LEGEND",
     "layer_table",
     "largest_reason",
     "ms_text",
-    "plan_errors_table",
-    "plan_summary",
-    "plan_table",
     "profile_lines",
-    "render_plan",
     "render_profile",
     "render_stats",
     "short_bytes",
@@ -258,128 +250,3 @@ def render_profile(p: MemoryProfile, console: Any = None) -> None:
     for line in profile_lines(p):
         console.print(line)
     console.print(p.verdict(), style="bold")
-
-
-# --------------------------------------------------------------------------------------
-# plans
-
-
-def plan_table(plan: Plan) -> Any:
-    """A :class:`rich.table.Table` of ``plan``: one row per layer (lever, bytes kept
-    between forward and backward, bytes sent each way, added backward ms), a total row
-    and, when the costs know them, what no lever touches: the head's memory (``H``:
-    head, loss and their gradients, on top of what the layers keep) and the workspace
-    of a layer's forward or backward (``W``)."""
-    from rich.table import Table
-
-    from offload._planner.levers import summary
-
-    table = Table(title="offload plan", title_justify="left")
-    for name in ("layer", "lever", "kept", "link", "+ms"):
-        table.add_column(name, justify="left" if name == "lever" else "right")
-    c = plan.costs
-    kept_total = link_total = extra_total = 0.0
-    for i, lever in enumerate(plan.levers):
-        if c is None:
-            table.add_row(str(i), lever, "-", "-", "-")
-            continue
-        kept = c.resident(i, lever)
-        link = c.sent(i, lever)
-        extra = c.extra_seconds(i, lever)
-        kept_total += kept
-        link_total += link
-        extra_total += extra
-        table.add_row(
-            str(i),
-            lever,
-            format_bytes(kept),
-            format_bytes(link) if link else "-",
-            f"{extra * 1e3:.2f}" if extra else "-",
-        )
-    if c is not None:
-        table.add_row(
-            "all",
-            summary(plan.levers),
-            format_bytes(kept_total),
-            format_bytes(link_total),
-            f"{extra_total * 1e3:.2f}",
-            style="bold",
-        )
-        untouched = "(no lever)"
-        if c.head_bytes is not None:
-            table.add_row("head", untouched, format_bytes(c.head_bytes), "-", "-", style="dim")
-        name = "workspace" if c.head_bytes is not None else "workspace+head"
-        table.add_row(name, untouched, format_bytes(c.workspace_bytes), "-", "-", style="dim")
-    return table
-
-
-def plan_summary(plan: Plan) -> str:
-    """Predicted time and peak against the step without levers and the budget."""
-    from offload._planner.levers import summary
-
-    c = plan.costs
-    if c is None:
-        return f"plan: {summary(plan.levers)} (chosen by hand: no predictions)"
-    t, m = c.seconds(plan.levers), c.memory(plan.levers)
-    keep = ["keep"] * c.num_layers
-    base_t = c.step_s if c.step_s is not None else c.raw_seconds(keep)
-    base_m = c.memory(keep)
-    budget = "" if plan.budget_bytes is None else f" (budget {format_bytes(plan.budget_bytes)})"
-    return (
-        f"plan: {summary(plan.levers)}; predicted step {t * 1e3:.1f} ms "
-        f"({t / base_t:.3f}x the step without levers, {base_t * 1e3:.1f} ms); predicted "
-        f"activation peak {format_bytes(m)} of {format_bytes(base_m)} without levers{budget}"
-    )
-
-
-def render_plan(plan: Plan, console: Any = None) -> None:
-    """Print the table, the measured configurations (when measured) and the summary."""
-    console = _console(console)
-    console.print(plan_table(plan))
-    rows = plan.measured.get("configs")
-    if rows:
-        base = rows.get("none", {}).get("seconds")
-        parts = []
-        for name, row in rows.items():
-            ratio = f" {row['seconds'] / base:.2f}x" if base else ""
-            parts.append(f"{name}{ratio} {format_bytes(row['peak_bytes'])}")
-        console.print("measured, every layer: " + "; ".join(parts), style="dim")
-    errors = plan.prediction_errors()
-    if errors:
-        console.print(plan_errors_table(errors))
-    console.print(plan_summary(plan))
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.1%}"
-
-
-def plan_errors_table(rows: list[dict[str, Any]]) -> Any:
-    """A :class:`rich.table.Table` of :meth:`offload.Plan.prediction_errors`: per
-    measured configuration, predicted and measured step ms and activation peak, and
-    the errors (predicted / measured - 1; ``fit`` where the model was fitted to it)."""
-    from rich.table import Table
-
-    from offload._planner.levers import summary
-
-    table = Table(
-        title="the cost model against the steps measured",
-        title_justify="left",
-        caption="err: predicted / measured - 1; *: the model is fitted to this one",
-        caption_justify="left",
-    )
-    for name in ("measured", "levers", "pred ms", "ms", "t err", "pred", "peak", "m err"):
-        table.add_column(name, justify="left" if name in ("measured", "levers") else "right")
-    for r in rows:
-        fitted = r.get("fitted", [])
-        table.add_row(
-            r["name"],
-            summary(r["levers"]),
-            f"{r['predicted_seconds'] * 1e3:.1f}",
-            f"{r['measured_seconds'] * 1e3:.1f}",
-            _pct(r["time_error"]) + ("*" if "seconds" in fitted else ""),
-            short_bytes(r["predicted_bytes"]),
-            "-" if r["measured_bytes"] is None else short_bytes(r["measured_bytes"]),
-            _pct(r["memory_error"]) + ("*" if "bytes" in fitted else ""),
-        )
-    return table

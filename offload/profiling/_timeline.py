@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload.profiling import CopySpan, LayerSpan, MemorySample, Timeline
+from offload.profiling._data import CopySpan, LayerSpan, MemorySample, Timeline
 
 __all__ = ["Recorder", "record_timeline"]
 

@@ -1,6 +1,6 @@
 """The public front of weight offloading (docs/design.md 4.10): :class:`WeightOffloader`,
 which keeps layers' parameters in host memory between their uses. The work is done by
-``offload/_weights/``; ``# Note [weight residency]`` there (``_residency.py``) says when
+``offload/weights/``; ``# Note [weight residency]`` there (``_residency.py``) says when
 each weight is on the device and why every wait is safe."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload._weights._host_grads import push as _push
-from offload._weights._init import check_tied
-from offload._weights._lifecycle import close as _close
-from offload._weights._lifecycle import create as _create
-from offload._weights._lifecycle import populate as _populate
+from offload.weights._host_grads import push as _push
+from offload.weights._init import check_tied
+from offload.weights._lifecycle import close as _close
+from offload.weights._lifecycle import create as _create
+from offload.weights._lifecycle import populate as _populate
 
 __all__ = ["WeightOffloader"]
 
@@ -34,7 +34,7 @@ class WeightOffloader:
     issued ``prefetch_layers`` layers ahead so that it overlaps the compute of the
     layers before; the compute stream waits for the copy on the device, never on the
     host. After the layer's forward, and after its backward, the storage is freed again.
-    ``# Note [weight residency]`` in ``offload/_weights/_residency.py`` says when each weight is on
+    ``# Note [weight residency]`` in ``offload/weights/_residency.py`` says when each weight is on
     the device and why every wait is safe.
 
     Frozen weights (``requires_grad=False``: inference, LoRA base weights) need nothing

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from offload import _packing
-from offload._dynamo import eager
-from offload._runtime import in_backward as _in_backward
+from offload._core import _packing
+from offload._core._dynamo import eager
+from offload._core._runtime import in_backward as _in_backward
 
 if TYPE_CHECKING:
-    from offload._weights._residency import _Layers, _WeightSlot
-    from offload._weights._storage import _WeightParam
+    from offload.weights._residency import _Layers, _WeightSlot
+    from offload.weights._storage import _WeightParam
 
 _tensors_in = _packing.tensors_requiring_grad
 

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload._host_pool import HostBlock, HostPool
-from offload._weights._storage import free_storage, host_view
+from offload._core._host_pool import HostBlock, HostPool
+from offload.weights._storage import free_storage, host_view
 
 if TYPE_CHECKING:
-    from offload._device import Backend
-    from offload._weights._residency import _Layers, _WeightSlot
-    from offload._weights._storage import _WeightParam
+    from offload._core._device import Backend
+    from offload.weights._residency import _Layers, _WeightSlot
+    from offload.weights._storage import _WeightParam
 
 NO_LIMIT = 1 << 62  # the weights must fit: no budget, a refusal is an error
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from offload import _packing
+from offload._core import _packing
 
 if TYPE_CHECKING:
-    from offload._weights._residency import _Layers
+    from offload.weights._residency import _Layers
 
 GRADS = ("device", "host")
 

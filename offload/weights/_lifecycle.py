@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from offload._device import backend_for
-from offload._host_pool import HostBlock, HostPool, _next_pow2
-from offload._warn import warn_at_caller
-from offload._weights._hooks import _Hooks
-from offload._weights._host_grads import NO_LIMIT, _HostGrads
-from offload._weights._init import check_args, check_layers, check_shared, inspect_layer
-from offload._weights._optim import track
-from offload._weights._residency import _Layers, _WeightSlot
-from offload._weights._state_dict import register as register_state_dict
-from offload._weights._storage import allocate_blocks, copy_to_host
+from offload._core._device import backend_for
+from offload._core._host_pool import HostBlock, HostPool, _next_pow2
+from offload._core._warn import warn_at_caller
+from offload.weights._hooks import _Hooks
+from offload.weights._host_grads import NO_LIMIT, _HostGrads
+from offload.weights._init import check_args, check_layers, check_shared, inspect_layer
+from offload.weights._optim import track
+from offload.weights._residency import _Layers, _WeightSlot
+from offload.weights._state_dict import register as register_state_dict
+from offload.weights._storage import allocate_blocks, copy_to_host
 
 if TYPE_CHECKING:
-    from offload._weights._init import _InspectedLayer
+    from offload.weights._init import _InspectedLayer
 
 _MAX_SLAB = 256 << 20  # slabs of 256 MiB: several weights share one, little is wasted
 

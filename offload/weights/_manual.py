@@ -8,10 +8,10 @@ from typing import Any
 
 from torch import nn
 
-from offload._dynamo import eager
-from offload._weights._lifecycle import adopt
-from offload._weights._residency import _WeightSlot
-from offload.weights import WeightOffloader
+from offload._core._dynamo import eager
+from offload.weights._front import WeightOffloader
+from offload.weights._lifecycle import adopt
+from offload.weights._residency import _WeightSlot
 
 
 class _ManualWeights:

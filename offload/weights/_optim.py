@@ -7,10 +7,10 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from offload._dynamo import eager
+from offload._core._dynamo import eager
 
 if TYPE_CHECKING:
-    from offload._weights._residency import _Layers
+    from offload.weights._residency import _Layers
 
 #: The layers of live offloaders.
 _LIVE: weakref.WeakSet[_Layers] = weakref.WeakSet()

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from offload._weights._storage import copy_in, write_back
+from offload.weights._storage import copy_in, write_back
 
 if TYPE_CHECKING:
-    from offload._device import Backend
-    from offload._host_pool import HostPool
-    from offload._weights._host_grads import _HostGrads
-    from offload._weights._storage import _WeightParam, _WeightStore
+    from offload._core._device import Backend
+    from offload._core._host_pool import HostPool
+    from offload.weights._host_grads import _HostGrads
+    from offload.weights._storage import _WeightParam, _WeightStore
 
 # Note [weight residency]
 # ~~~~~~~~~~~~~~~~~~~~~~~

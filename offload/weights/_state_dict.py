@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from offload._weights._hooks import lazy_eager
-from offload._weights._storage import host_view
+from offload.weights._hooks import lazy_eager
+from offload.weights._storage import host_view
 
 if TYPE_CHECKING:
-    from offload._weights._residency import _Layers, _WeightSlot
+    from offload.weights._residency import _Layers, _WeightSlot
 
 
 def _state_dict_post(

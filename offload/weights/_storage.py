@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from offload._host_pool import HostBlock, HostPool
+from offload._core._host_pool import HostBlock, HostPool
 
 if TYPE_CHECKING:
-    from offload._device import Backend
-    from offload._weights._init import _InspectedLayer
+    from offload._core._device import Backend
+    from offload.weights._init import _InspectedLayer
 
 
 class _WeightStore:

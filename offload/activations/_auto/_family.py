@@ -1,4 +1,4 @@
-"""One kind of input under ``offload_layers="auto"`` (``offload/_auto_policy.py``): its
+"""One kind of input under ``offload_layers="auto"`` (``offload/activations/_auto/_policy.py``): its
 measured sizes, the scale real steps put on the measured costs, and the verification of
 its choice against steps without offloading (:class:`Phase`).
 
@@ -35,7 +35,7 @@ ratios carry the prediction's error between sizes, and a trial that fails runs i
 steps above the limit.
 
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
-size measured, one within :data:`offload._auto_fit.EXTRAPOLATION` of those measured,
+size measured, one within :data:`offload.activations._auto._fit.EXTRAPOLATION` of those measured,
 or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
 (the lower quartile of the ratios, kept per kind of step; steps without offloading
 first, as they hold no stall), which multiplies every predicted compute time; a move of
@@ -67,9 +67,9 @@ import enum
 import statistics
 from typing import Any
 
-from offload import _auto
-from offload._auto_fit import Estimate, ShapeModel
-from offload._auto_probe import DeviceMemory, StepWatch
+from offload.activations._auto import _predict as _auto
+from offload.activations._auto._fit import Estimate, ShapeModel
+from offload.activations._auto._probe import DeviceMemory, StepWatch
 
 __all__ = [
     "MAX_DECISIONS",

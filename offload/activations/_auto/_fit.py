@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from offload._auto import LayerCost
+from offload.activations._auto._predict import LayerCost
 
 __all__ = [
     "ALIKE",
@@ -149,7 +149,7 @@ class ShapeModel:
     def within(self, tokens: int) -> bool:
         """Whether ``tokens`` lies inside the sizes measured (warm ones where any),
         widened by :data:`EXTRAPOLATION` each way: a prediction there is trusted, and
-        what a step takes beyond it is the scale's (``offload/_auto_family.py``)."""
+        what a step takes beyond it is the scale's (``offload/activations/_auto/_family.py``)."""
         pts = [p for p in self.points if not p.cold] or self.points
         if not pts:
             return False

@@ -1,26 +1,26 @@
 """The policy of ``offload_layers="auto"``: measure, decide, verify, re-decide.
 
-Per kind of input (a :class:`Family`, ``offload/_auto_family.py``: the first layer
+Per kind of input (a :class:`Family`, ``offload/activations/_auto/_family.py``: the first layer
 call's tensor ranks, dtypes and devices, and the hidden size; sizes may change within
 one) the policy moves through :class:`Phase`:
 
 ``MEASURE``
     Nothing measured yet. The step runs ``"all"`` (every call but the last offloaded:
     never more device memory than ``"all"``) as a measuring forward
-    (``offload/_auto_probe.py``).
+    (``offload/activations/_auto/_probe.py``).
 ``VERIFY``
-    Decided. Each step's plan is the longest prefix the link hides (``offload/_auto.py``)
-    from the costs at its size (measured, or predicted by ``offload/_auto_fit.py``),
+    Decided. Each step's plan is the longest prefix the link hides (``offload/activations/_auto/_predict.py``)
+    from the costs at its size (measured, or predicted by ``offload/activations/_auto/_fit.py``),
     scaled by what real steps measured against the prediction (the measuring forward's
     instrumentation, and the process's first step, cost time a real step does not
     spend), and never fewer layers than the device memory needs
-    (:func:`offload._auto.memory_floor`; the memory reason is recorded). After the
+    (:func:`offload.activations._auto._predict.memory_floor`; the memory reason is recorded). After the
     choice's warm-up steps, steps without offloading alternate with the chosen ones
-    while memory allows them (``offload/_auto_family.py``: paired ratios, their median,
+    while memory allows them (``offload/activations/_auto/_family.py``: paired ratios, their median,
     the measured noise); when the measured ratio exceeds ``1 + max_slowdown`` by more
     than the noise, one layer comes off and the round repeats; a choice measured within
     the limit whose next layer is predicted within :data:`STEP_UP_REACH` times it takes
-    that layer and verifies it (``offload/_auto_family.py``: the step up).
+    that layer and verifies it (``offload/activations/_auto/_family.py``: the step up).
 ``SETTLED``
     Verified, or forced by memory, or unverifiable (memory never allows a step without
     offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
@@ -29,7 +29,7 @@ one) the policy moves through :class:`Phase`:
 The first measurement of an offloader is its first step (the allocator and the kernels
 warm up in it): the next step measures again at its own plan. A size predicted, not
 measured, whose step proves the prediction wrong is measured again at the next step.
-State is bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload._auto_fit.MAX_POINTS`
+State is bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload.activations._auto._fit.MAX_POINTS`
 sizes each, :data:`MAX_DECISIONS` sizes' decisions, :data:`MAX_PENDING` steps whose times
 are not read yet, bounded sample queues.
 """
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from offload import _auto
-from offload._auto_family import (
+from offload.activations._auto import _predict as _auto
+from offload.activations._auto._family import (
     MAX_DECISIONS,
     MIN_PAIRS,
     PREDICTION_TOLERANCE,
@@ -60,9 +60,24 @@ from offload._auto_family import (
     Sized,
     StepRecord,
 )
-from offload._auto_fit import Estimate, Point, ShapeModel, point_values, sizes, steady, warm_up
-from offload._auto_probe import DeviceMemory, Meter, Probe, ProbeResult, StepWatch, meter_for
-from offload._plan import plan_forward
+from offload.activations._auto._fit import (
+    Estimate,
+    Point,
+    ShapeModel,
+    point_values,
+    sizes,
+    steady,
+    warm_up,
+)
+from offload.activations._auto._probe import (
+    DeviceMemory,
+    Meter,
+    Probe,
+    ProbeResult,
+    StepWatch,
+    meter_for,
+)
+from offload.activations._schedule import plan_forward
 
 __all__ = [
     "CALIBRATE_ROOM",

@@ -1,8 +1,8 @@
 """``offload_layers="auto"``: how many layers the link hides, and how many memory needs.
 
 From per-layer costs (forward and backward time, the bytes offloading sends each way,
-measured by ``offload/_auto_probe.py`` and carried across input sizes by
-``offload/_auto_fit.py``) :func:`predict_step` replays the schedule of ``# Note [release
+measured by ``offload/activations/_auto/_probe.py`` and carried across input sizes by
+``offload/activations/_auto/_fit.py``) :func:`predict_step` replays the schedule of ``# Note [release
 order]`` (one copy stream per direction, copies serialised on it, the compute stream
 waiting where the note says it waits) and :func:`choose` takes the longest prefix of
 layers whose predicted step stays within ``max_slowdown`` of the step without
@@ -10,7 +10,7 @@ offloading. Prefixes, because the release rule keeps the last ``L - k`` groups
 resident: the first layers are the ones whose copies have the most compute to hide
 behind. Memory comes first: :func:`memory_floor` gives the fewest layers whose
 offloading keeps the step's predicted peak within the device memory, and :func:`choose`
-never offloads fewer. ``offload/_auto_policy.py`` holds the policy that measures,
+never offloads fewer. ``offload/activations/_auto/_policy.py`` holds the policy that measures,
 verifies and re-decides.
 
 Without an accelerator there is no overlap to measure and no device memory to save:
@@ -25,8 +25,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from offload._measure import link_bandwidth
-from offload._plan import make_plan
+from offload._core._measure import link_bandwidth
+from offload.activations._schedule import make_plan
 
 __all__ = [
     "AutoDecision",

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from offload import _auto, _measure, _packing
+from offload._core import _measure, _packing
+from offload.activations._auto import _predict as _auto
 
 __all__ = ["DeviceMemory", "ProbeResult", "Meter", "Probe", "StepWatch", "meter_for"]
 
@@ -59,7 +60,7 @@ class Meter:
     memory of their choosing."""
 
     def begin(self, record: Any) -> None:
-        """A step described by ``record`` (``offload/_auto_policy.py``) starts."""
+        """A step described by ``record`` (``offload/activations/_auto/_policy.py``) starts."""
 
     def mark(self, device: torch.device | None, what: str, index: int) -> tuple[Any, float]:
         """A time mark on the current stream; ``what`` and ``index`` name it (``"f0"``,

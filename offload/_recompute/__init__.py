@@ -1,0 +1,1 @@
+"""Recompute: offloaded checkpointing, its calls, and reentrant recompute."""

@@ -1,0 +1,1 @@
+"""The ``offload_layers="auto"`` policy: prediction, families of shapes, fit, probe."""
