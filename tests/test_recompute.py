@@ -302,7 +302,7 @@ def test_split_and_join_give_pytree_leaves_without_garbage() -> None:
 
     from torch.utils import _pytree as pytree
 
-    from offload._recompute._call import join, split
+    from offload._core._pytree import join, split
 
     h, m = torch.randn(2, 3), torch.ones(3)
     pair = collections.namedtuple("pair", "a b")

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from offload._core._kept import Kept, Raw, unpack_hook
 from offload._recompute._reentrant import check_recompute, recompute
-from offload.activations._handles import Kept, Raw, unpack_hook
 
 __all__ = [
     "DEFAULT_LEVERS",
@@ -192,7 +192,7 @@ def call_key(calls: dict[Any, int], func: Any) -> tuple[Any, int]:
 class KeepOutputs(TorchDispatchMode):
     """The forward half of the selective levers: runs every op and hands each tensor
     output of the kept ops (:func:`_save_ops`, less the keys ``kept`` learnt are never
-    used) to ``pack`` (``offload.activations._handles.Kept``: stays on the device; or the offloader's
+    used) to ``pack`` (``offload._core._kept.Kept``: stays on the device; or the offloader's
     ``Step.pack``: a copy to the host, released on its schedule), into ``storage``."""
 
     def __init__(
@@ -300,7 +300,7 @@ class Recompute:
         """``context_fn`` of the selective levers: a fresh storage per layer call. The
         kept outputs go to the offloader's current step under ``selective_offload``
         inside its context; otherwise (``selective``, ``selective_offload_inputs``) they
-        stay on the device (``offload.activations._handles.Kept``)."""
+        stay on the device (``offload._core._kept.Kept``)."""
         step = None
         if self.lever == "selective_offload" and self.offloader is not None:
             step = self.offloader._step

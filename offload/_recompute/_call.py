@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _python_dispatch
-from torch.utils import _pytree as pytree
 
 import offload.activations._placement as _placement
 from offload._core import _packing
 from offload._core._device import Backend
 from offload._core._host_pool import HostBlock
+from offload._core._kept import inplace_message
+from offload._core._pytree import join, split
 from offload._core._transfer import HostCopy
-from offload.activations._handles import inplace_message
 
 if TYPE_CHECKING:
     from offload._recompute._checkpoint import CheckpointRuntime
@@ -30,74 +30,6 @@ __all__ = ["Record", "backward_started", "flatten", "grad_tensors", "release", "
 _MAX_DEPTH = 8
 
 _kept_bytes = _placement.kept_bytes
-
-
-def split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The tensors of ``tree`` (nested in pytree containers) and a spec that
-    :func:`join` fills with new tensors.
-
-    Plain tuples, lists and dicts (a layer call's arguments and outputs, nearly always)
-    are walked here, a few times faster than ``pytree.tree_flatten``, which also leaves
-    a reference cycle per call for the collector; a tree holding any other container
-    pytree knows (a named tuple, an ``OrderedDict``, a registered class) goes to pytree
-    whole, so both give the same leaves."""
-    leaves: list[torch.Tensor] = []
-    spec = _walk(tree, leaves)
-    if spec is not _OTHER:
-        return (_PLAIN, spec), leaves
-    flat, tree_spec = pytree.tree_flatten(tree)
-    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    leaves = [flat[i] for i in where]
-    for i in where:
-        flat[i] = None  # the spec holds no tensor
-    return (tree_spec, flat, where), leaves
-
-
-def join(spec: Any, leaves: Sequence[torch.Tensor]) -> Any:
-    """The tree of :func:`split`'s ``spec`` with ``leaves`` in place of its tensors."""
-    if spec[0] is _PLAIN:
-        return _build(spec[1], iter(leaves))
-    tree, flat, where = spec
-    flat = list(flat)
-    for i, t in zip(where, leaves):
-        flat[i] = t
-    return pytree.tree_unflatten(flat, tree)
-
-
-#: markers of :func:`split`'s own specs: a plain tree; a tree pytree must take; a leaf
-#: that is no tensor (kept as it is)
-_PLAIN, _OTHER, _CONST = object(), object(), object()
-
-
-def _walk(x: Any, leaves: list[torch.Tensor]) -> Any:
-    """The spec of ``x`` (``None`` for a tensor, appended to ``leaves``), or ``_OTHER``."""
-    kind = type(x)
-    if kind is tuple or kind is list or kind is dict:
-        specs = []
-        for v in x.values() if kind is dict else x:
-            sub = _walk(v, leaves)
-            if sub is _OTHER:
-                return _OTHER
-            specs.append(sub)
-        return (kind, list(x) if kind is dict else None, specs)
-    if isinstance(x, torch.Tensor):
-        leaves.append(x)
-        return None
-    if kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, list, dict)):
-        return _OTHER
-    return (_CONST, x, None)
-
-
-def _build(spec: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    if spec is None:
-        return next(tensors)
-    kind, body, specs = spec
-    if kind is _CONST:
-        return body
-    if kind is dict:
-        return {k: _build(sub, tensors) for k, sub in zip(body, specs)}
-    values = [_build(sub, tensors) for sub in specs]
-    return values if kind is list else tuple(values)
 
 
 def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:

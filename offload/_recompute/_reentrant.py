@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from offload._recompute._call import join, split
+from offload._core._pytree import join, split
 
 __all__ = ["RECOMPUTES", "NestedBackwardError", "check_recompute", "recompute"]
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offload._core import _packing
+from offload._core._kept import Kept, Raw, inplace_message, unpack_hook
 
 if TYPE_CHECKING:
     from offload._core._transfer import HostCopy as _Copy
@@ -48,32 +49,6 @@ __all__ = [
     "inplace_message",
     "unpack_hook",
 ]
-
-
-def inplace_message(t: torch.Tensor, version: int) -> str:
-    """Autograd's kind of error for a saved tensor changed in place after saving."""
-    return (
-        f"one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{t.dtype}{list(t.shape)}] is at version {t._version}; "
-        f"expected version {version} instead (detected by offload: the tensor was saved "
-        f"for backward and then changed in place)"
-    )
-
-
-class Kept:
-    """A saved tensor that stays on the device."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()
-        self.version = t._version
-
-    def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            raise RuntimeError(inplace_message(t, self.version))
-        return t
 
 
 class Offloaded:
@@ -202,18 +177,6 @@ class PackedSubclass:
         return _packing.unflatten(self.cls, self.names, self.ctx, inner, self.size, self.stride)
 
 
-class Raw:
-    """A non-tensor attribute of a flattened subclass, kept by reference."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def unpack(self) -> Any:
-        return self.obj
-
-
 class PackedQuantized:
     """A TransformerEngine quantized tensor: the object emptied by
     ``prepare_for_saving()`` and its data/scale tensors packed one by one."""
@@ -227,8 +190,3 @@ class PackedQuantized:
         tensors = [None if p is None else p.unpack() for p in self.parts]
         self.obj.restore_from_saved(tensors)  # fills the object in place
         return self.obj
-
-
-def unpack_hook(handle: Any) -> torch.Tensor:
-    """The unpack half of the saved-tensor hooks."""
-    return handle.unpack()
