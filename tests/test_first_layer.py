@@ -266,7 +266,7 @@ def test_first_layer_placed_once_the_host_is_a_call_ahead(
         x = torch.randn(4, 32) + it
         got = models.step(layers, x, models.run_plain, off)
         models.assert_same(got, models.step(ref, x, models.run_plain))
-        assert off._last.placed_late_at == placed_at
+        assert off.last_step.placed_late_at == placed_at
         assert off.stats.layers[0].bytes_offloaded > 0
     off.close()
 

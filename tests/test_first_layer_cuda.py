@@ -94,7 +94,7 @@ def test_first_layer_placed_once_the_host_is_a_call_ahead() -> None:
         torch.cuda.synchronize()  # as a model that checks its mask on the host does
         got = models.step(layers, x, models.run_plain, off)
         assert_same(got, models.step(ref, x, models.run_plain))
-        step = off._last
+        step = off.last_step
         assert step.placed_late_at == 3, step.placed_late_at
         assert off.stats.layers[0].bytes_offloaded >= 64 << 20
         assert off.stats.layers[0].bytes_released >= 64 << 20
@@ -106,6 +106,6 @@ def test_first_layer_placed_at_its_close_when_the_next_call_is_offloaded() -> No
     layers = nn.ModuleList(SlowProducer() for _ in range(4)).to(DEV)
     off = offload.ActivationOffloader(layers, offload_layers=2, min_tensor_bytes=0)
     models.step(layers, torch.randn(1, 256, 256, device=DEV), models.run_plain, off)
-    assert off._last.placed_late_at is None
+    assert off.last_step.placed_late_at is None
     assert off.stats.layers[0].bytes_offloaded >= 64 << 20
     off.close()

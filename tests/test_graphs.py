@@ -59,7 +59,7 @@ def test_whole_step_capture_binds_host_blocks(capturing: list[bool]) -> None:
         assert torch.equal(a, b)
     stats = off.stats
     assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
-    assert off._last.capture == "step"
+    assert off.last_step.capture == "step"
     rt = off._runtime
     # every block the captured step wrote stays bound to the graph after its backward
     bound = sum(b.nbytes for b in rt.graph_blocks)
@@ -68,7 +68,7 @@ def test_whole_step_capture_binds_host_blocks(capturing: list[bool]) -> None:
     # an eager step afterwards takes other blocks and returns them
     capturing[0] = False
     _step(layers, x, off)
-    assert off._last.capture is None
+    assert off.last_step.capture is None
     assert rt.pool.in_use_bytes == bound
     addresses = {(id(b.slab), b.start) for b in rt.graph_blocks}
     assert len(addresses) == len(rt.graph_blocks)
@@ -237,7 +237,7 @@ def test_layer_capture_each_layer_is_self_contained(capturing: list[bool]) -> No
     assert [s.bytes_offloaded > 0 for s in stats.layers] == [True, False, True, True]
     assert stats.bytes_reloaded == stats.bytes_offloaded > 0
     # each offloaded layer released its device references when it closed
-    assert all(g.released for s in off._last.steps for g in s.groups if g.offload)
+    assert all(la.released for la in off.last_step.layers if la.planned)
     assert sum(1 for n in released if n) == 3
     rt = off._runtime
     assert sum(b.nbytes for b in rt.graph_blocks) == rt.pool.in_use_bytes > 0

@@ -121,7 +121,7 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
     graph, peak = capture_step(layers, static_x, off)
     graph_plain, peak_plain = capture_step(plain, static_plain)
     stats = off.stats
-    assert off._last.capture == "step"
+    assert off.last_step.capture == "step"
     offloaded = [s.index for s in stats.layers if s.bytes_offloaded > 0]
     assert offloaded == ([0, 1, 2] if selection == "all" else [0, 1])
     assert stats.bytes_reloaded == stats.bytes_offloaded
@@ -151,7 +151,7 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
         p.grad = None
     forward_loss(layers, x, off).backward()
     assert all(torch.equal(p.grad, w) for p, w in zip(layers.parameters(), want))
-    assert off.stats.bytes_offloaded > 0 and off._last.capture is None
+    assert off.stats.bytes_offloaded > 0 and off.last_step.capture is None
     del graph
     off.close()
     assert off.free_graph_memory() > 0

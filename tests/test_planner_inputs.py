@@ -200,8 +200,8 @@ def test_the_last_layer_input_leaves_before_the_head(lever: str) -> None:
             with p:
                 h = model(x)
                 assert seen[0].expired()  # the head has not run: the input is gone
-                group = p.offloader._step.groups[-1]
-                assert group.offload and not group.device_refs
+                layer = p.offloader.last_step.layers[-1]
+                assert layer.planned and layer.released  # its device references dropped
             loss = h.float().square().mean()  # ReferenceModel.loss
             loss.backward()
             got = loss.detach(), [q.grad.clone() for q in model.parameters()]

@@ -119,8 +119,8 @@ def test_double_buffering_reuses_buffers_and_stays_exact() -> None:
         assert_same(got, models.step(ref, x, models.run_plain, backwards=backwards))
         assert off.stats.bytes_reloaded == backwards * off.stats.bytes_offloaded > 0
         # equal-signature groups took over the buffers of groups whose backward ended
-        assert off._last.stats_double_buffer_reuses > 0
-        assert not off._last.spares  # freed when the backward ended
+        assert off.last_step.double_buffer_reuses > 0
+        assert off.last_step.spare_buffers == 0  # freed when the backward ended
 
 
 def test_double_buffering_never_reuses_a_referenced_buffer() -> None:

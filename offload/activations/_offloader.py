@@ -24,6 +24,7 @@ from offload.activations._layer_calls import LayerCalls
 from offload.activations._manual import _prune
 from offload.activations._schedule import check_selection, plan_forward
 from offload.activations._step import Step
+from offload.activations._view import StepView, view_of
 from offload.config import LayerSelection, OffloadConfig
 from offload.stats import OffloadStats
 
@@ -327,6 +328,16 @@ class ActivationOffloader(LayerCalls):
         """
         step = self._last
         return OffloadStats() if step is None else step.read_stats()
+
+    @property
+    def last_step(self) -> StepView | None:
+        """A read-only view of the most recent forward and its backward, per layer call
+        (planned, offloaded, released, reloaded, dropped; the waits; the auto decision):
+        a frozen :class:`~offload.activations._view.StepView` taken when read, or
+        ``None`` before the first forward. With ``timing=True`` reading it waits on the
+        host for the recorded copies, as :attr:`stats` does."""
+        step = self._last
+        return None if step is None else view_of(step)
 
     def report(self, console: Any = None) -> None:
         """Print :attr:`stats` as a table (rich); before any forward, say so instead."""
