@@ -100,7 +100,7 @@ def _resolve(model: nn.Module, attr: str) -> list[nn.Module]:
     if isinstance(obj, _CONTAINERS) or (
         isinstance(obj, (list, tuple)) and not isinstance(obj, nn.Module)
     ):
-        blocks = list(obj)  # type: ignore[call-overload]
+        blocks = list(obj)
     else:
         raise ValueError(
             f"attr={attr!r} names a {type(obj).__name__}; it must name an nn.ModuleList, "

@@ -18,7 +18,7 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,7 +36,7 @@ _DTYPES = {
 }
 
 #: Defaults by device type: tiny on the CPU, "ref-8L" (8 Llama layers of 4096) on CUDA.
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"layers": 2, "hidden": 128, "seq": 64, "batch": 1, "dtype": "float32"},
     "cuda": {"layers": 8, "hidden": 4096, "seq": 4096, "batch": 1, "dtype": "bfloat16"},
 }
@@ -299,11 +299,13 @@ def _plan(args: argparse.Namespace) -> int:
             got = measure_step(step, max(args.steps, 5), max(args.warmup, 1))
         finally:
             chosen.remove()
-        t, m = chosen.predicted_seconds, chosen.predicted_bytes
+        # a plan chosen by plan() has its predictions and its budget
+        t, m = cast(float, chosen.predicted_seconds), cast(int, chosen.predicted_bytes)
+        budget = cast(int, chosen.budget_bytes)
         console.print(
             f"measured with the plan applied: step {got['seconds'] * 1e3:.1f} ms (predicted "
             f"{t * 1e3:.1f}), activation peak {got['peak_bytes'] / 2**30:.2f} GiB (predicted "
-            f"{m / 2**30:.2f}, budget {chosen.budget_bytes / 2**30:.2f})"
+            f"{m / 2**30:.2f}, budget {budget / 2**30:.2f})"
         )
         result["measured_plan"] = got
     if args.json:

@@ -37,8 +37,11 @@ def _check_module(fn: str, module: object) -> nn.Module:
 
 def _params_with_main_grad(fn: str, module: object) -> list[nn.Parameter]:
     """The parameters of ``module`` that have a ``main_grad``; at least one, else raise."""
-    _check_module(fn, module)
-    params = [p for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+    params = [
+        p
+        for p in _check_module(fn, module).parameters()
+        if getattr(p, "main_grad", None) is not None
+    ]
     if not params:
         raise ValueError(
             f"offload.main_grad.{fn}: no parameter of {type(module).__name__} has a "

@@ -115,6 +115,9 @@ import torch
 
 from offload._core._warn import warn_at_caller
 
+#: ``triton.language``, bound by :func:`_define_kernels` (the kernels read it as a global)
+tl: Any
+
 __all__ = [
     "HALF", "BLOCK", "COMPRESSIBLE", "TILING", "packed_nbytes", "quantize_into",
     "dequantize_into", "quantize_eager", "dequantize_eager", "quantize_triton",

@@ -39,7 +39,7 @@ def eager(fn: F) -> F:
     ``torch.compiler.disable(fn, recursive=True)`` behaves the same in torch 2.11 and
     2.13 (checked on 2.13 CPU; the GPU machine's 2.11 runs tests/test_real_world_cuda.py).
     """
-    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+    return torch.compiler.disable(fn, recursive=True)
 
 
 #: function -> eager(function), made once per function (eager_function)

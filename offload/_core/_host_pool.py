@@ -106,7 +106,7 @@ class HostBlock:
         if t is None:
             slab = self.slab
             if slab is None:  # freed
-                return None  # type: ignore[return-value]
+                return None
             t = self._tensor = slab.buffer[self.start : self.start + self.length]
         return t
 

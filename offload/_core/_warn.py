@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 import torch
 
@@ -19,7 +20,7 @@ _SKIP = (
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside ``offload`` and ``torch``
     (the user's model or training loop), whatever the depth of the call."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 2  # 1 is this function, 2 its caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
         frame = frame.f_back

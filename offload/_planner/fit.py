@@ -307,10 +307,10 @@ def _measure_schemes(
     if "reentrant" in rounds and reached["reentrant"] != reached.get("non_reentrant"):
         del rounds["reentrant"]
     out: dict[str, dict[str, Any]] = {}
-    for scheme, got in rounds.items():
-        times = [t for g in got for t in g["times"]]
-        host = [t for g in got for t in g.get("host_times", [])]
-        peaks = [g["peak_bytes"] for g in got if g["peak_bytes"] is not None]
+    for scheme, runs in rounds.items():
+        times = [t for g in runs for t in g["times"]]
+        host = [t for g in runs for t in g.get("host_times", [])]
+        peaks = [g["peak_bytes"] for g in runs if g["peak_bytes"] is not None]
         out[scheme] = {
             "seconds": float(statistics.median(times)),
             "peak_bytes": max(peaks) if peaks else None,
@@ -421,11 +421,11 @@ def fit_costs(m: Measured, compress: str | None) -> tuple[PlanCosts, dict[str, A
     for lever, name in (("selective", "selective_kept"), ("checkpoint", "checkpoint_kept")):
         if lever in m.configs:
             target = m.configs[lever]["peak_bytes"]
-            fitted[name] = _fit(
-                lambda x, n=name, lv=lever: model_costs(**{**fitted, n: x}).memory([lv] * L),
-                target,
-                1.0,
-            )
+
+            def memory(x: float, n: str = name, lv: str = lever) -> float:
+                return model_costs(**{**fitted, n: x}).memory([lv] * L)
+
+            fitted[name] = _fit(memory, target, 1.0)
     if compress is not None and "offload" in m.configs:
         # the codec's kernels and the waits they add are not in the copy model: fit one
         # cost per offloaded layer to the every-layer offload step

@@ -281,7 +281,7 @@ class Recompute:
         self.previous = module.__dict__.get("forward")
         self.inner = module.forward
         self.name = type(module).__name__
-        module.forward = self  # type: ignore[method-assign]
+        module.forward = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
@@ -311,7 +311,7 @@ class Recompute:
     def remove(self) -> None:
         if self.module.__dict__.get("forward") is self:
             if self.had_attr:
-                self.module.forward = self.previous  # type: ignore[method-assign]
+                self.module.forward = self.previous
             else:
                 del self.module.forward
 

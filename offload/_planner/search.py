@@ -153,7 +153,8 @@ def candidates(
     allowed = set(check_levers(levers, "levers")) | {"keep"}
     L = costs.num_layers
     kinds = [x for x in ("checkpoint", "checkpoint_offload") if x in allowed] or ["checkpoint"]
-    sels = [x for x in ("selective", "selective_offload_inputs") if x in allowed] or ["keep"]
+    sels: list[str] = [x for x in ("selective", "selective_offload_inputs") if x in allowed]
+    sels = sels or ["keep"]
     found: list[tuple[float, list[str]]] = []
     smallest: tuple[float, list[str]] | None = None
     # (k, o, c, checkpoint kind, selective kind) -> seconds of the family's plan

@@ -247,9 +247,9 @@ class _Verification:
                 check = self.trial(predicted, levers, rival=True)
                 if check["fits"]:
                     fitting.append(check)
-            check = self.corrected(chosen)
-            if check is not None and check["fits"]:
-                fitting.append(check)
+            corrected = self.corrected(chosen)
+            if corrected is not None and corrected["fits"]:
+                fitting.append(corrected)
         single = self.best_single() if VERIFY_SINGLE else None
         if chosen is None:
             if single is None:

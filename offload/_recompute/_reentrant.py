@@ -133,7 +133,7 @@ class _Call:
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, anchor: Any, *leaves: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, call: _Call, anchor: Any, *leaves: torch.Tensor) -> Any:
         ctx.call = call
         ctx.save_for_backward(*leaves[: call.saved])
         call.held = leaves[call.saved :]
@@ -146,7 +146,7 @@ class _Recompute(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         # torch's own reentrant checkpoint asks the same (no public API says whether the
         # running backward accumulates into .grad)

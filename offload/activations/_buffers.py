@@ -59,7 +59,7 @@ class ReloadBuffers:
             new = backend.alloc([sizes[i] for i in fresh], stream)
             for i, buf in zip(fresh, new):
                 out[i] = buf
-        return out  # type: ignore[return-value]
+        return out
 
     def give(self, buffer: torch.Tensor, request: Request) -> None:
         """A group is done with ``buffer`` (made for ``request``): keep it as a spare

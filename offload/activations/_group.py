@@ -27,7 +27,14 @@ from offload.activations._handles import (
 from offload.stats import LayerStats
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from offload._core._device import Backend
+    from offload._core._runtime import Runtime
+    from offload.activations._buffers import ReloadBuffers
+    from offload.activations._policy import Recording, Trigger
     from offload.activations._saves import _Bucket
+    from offload.stats import OffloadStats
 
 __all__ = ["CLOSED", "OPEN", "RELEASED", "Group", "GroupLife", "GroupState"]
 
@@ -124,6 +131,22 @@ class Group:
 class GroupLife:
     """The transitions of a forward's groups: release, reload, drop, and the death of
     their handles (a part of :class:`offload.activations._step.Step`, whose state it uses)."""
+
+    if TYPE_CHECKING:  # the state of the Step this is a part of, for the type checker
+        rt: Runtime
+        backend: Backend | None
+        groups: list[Group]
+        stats: OffloadStats
+        buffers: ReloadBuffers
+        recording: Recording
+        trigger: Trigger
+        forward_done: bool
+        aborted: bool
+        awaiting: int
+        remove_hooks: Callable[[], None]
+        _issue: Callable[[Group], None]
+        _copy: Callable[..., Any]
+        _flush_d2h: Callable[..., None]
 
     def _release_members(self, bucket: _Bucket) -> int:
         """The release of a bucket's members (Note [release order], 3): the in-place
@@ -331,7 +354,7 @@ class GroupLife:
                     if c.reload_event is event:
                         c.waited = True
                 copy.waited = True
-            return copy.buffer  # type: ignore[return-value]
+            return copy.buffer
 
     def _drop(self, group: Group) -> None:
         """A group's backward is over: give up its reloaded buffers (lock held)."""

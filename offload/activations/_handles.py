@@ -24,7 +24,7 @@ Handle kinds, cheapest first:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from offload._core._transfer import HostCopy as _Copy
     from offload.activations._group import Group as _Group
     from offload.activations._saves import _Bucket
-    from offload.activations._step import Step
 
 __all__ = [
     "Held",
     "Gathered",
     "Kept",
     "Offloaded",
+    "Owner",
     "PackedQuantized",
     "PackedSubclass",
     "Pending",
@@ -49,6 +49,15 @@ __all__ = [
     "inplace_message",
     "unpack_hook",
 ]
+
+
+class Owner(Protocol):
+    """What a handle calls back: the step that made it (``_step.py``), through the two
+    calls a handle makes and nothing else."""
+
+    def reloaded_buffer(self, handle: Any) -> torch.Tensor: ...
+
+    def handle_died(self, copy: _Copy, group: _Group | None) -> None: ...
 
 
 class Offloaded:
@@ -61,7 +70,7 @@ class Offloaded:
 
     def __init__(
         self,
-        step: Step,
+        step: Owner,
         group: _Group,
         copy: _Copy,
         dtype: torch.dtype,
@@ -111,7 +120,7 @@ class Gathered(Offloaded):
 
     def __init__(
         self,
-        step: Step,
+        step: Owner,
         group: _Group,
         copy: _Bucket,
         index: int,

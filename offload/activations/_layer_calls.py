@@ -12,6 +12,11 @@ from offload._core._warn import warn_at_caller
 from offload.activations._diagnose import saved_elsewhere
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from offload.activations._attach import LayerHooks
+    from offload.activations._auto._policy import AutoPolicy
+    from offload.activations._diagnose import CallOrder
     from offload.activations._step import Step
 
 __all__ = ["LayerCalls"]
@@ -68,6 +73,19 @@ class LayerCalls:
     """The forward pre-hook and forward hook that :class:`offload.ActivationOffloader`
     puts on each of its layers (a part of it, whose state they use)."""
 
+    if TYPE_CHECKING:  # the state of the offloader this is a part of, for the type checker
+        _step: Step | None
+        _layers: list[torch.nn.Module]
+        _layer_hooks: LayerHooks
+        _saved_hooks: Any
+        _warned: set[str]
+        _aside: bool
+        _order: CallOrder
+        _auto: AutoPolicy | None
+        _new_step: Callable[[], Step]
+        _end_forward: Callable[[Step], None]
+        _warn_once: Callable[[str, str], None]
+
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
         if step is None or _ACTIVE.owner is not self:
@@ -87,7 +105,7 @@ class LayerCalls:
                 step.untracked_depth = 1
                 return
             if self._aside:  # the next forward starts with our hooks on
-                self._saved_hooks.__enter__()  # type: ignore[union-attr]
+                self._saved_hooks.__enter__()
                 self._aside = False
             self._end_forward(step)
             step = self._new_step()
@@ -134,7 +152,7 @@ class LayerCalls:
                 else:
                     self._layer_hooks.add_rest()
             if self._aside and step.depth == 0 and step.untracked is None:
-                self._saved_hooks.__enter__()  # type: ignore[union-attr]
+                self._saved_hooks.__enter__()
                 self._aside = False
             step.close_group(output)
             if (

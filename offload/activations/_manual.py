@@ -4,7 +4,7 @@ group when the caller says, and the pruning of forwards whose backward has run."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -90,7 +90,7 @@ class _ManualContext:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        step = self.step
+        step = cast(Step, self.step)  # set by __enter__
         try:
             if exc_type is not None:
                 step.abort()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -282,7 +282,7 @@ class ActivationOffloader(LayerCalls):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._disabled:
             return
-        step, self._step = self._step, None
+        step, self._step = cast(Step, self._step), None  # set by __enter__
         try:
             if exc_type is None:
                 self._end_forward(step)
@@ -531,8 +531,8 @@ def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
     kept: dict[str, int] = {}
     for g in step.groups:
         if g.offload:
-            for reason, n in g.stats.bytes_kept.items():
-                kept[reason] = kept.get(reason, 0) + n
+            for why_kept, n in g.stats.bytes_kept.items():
+                kept[why_kept] = kept.get(why_kept, 0) + n
     # parameters never travel: name what kept the rest, when anything else was kept
     actionable = {r: n for r, n in kept.items() if n and r != "parameter"}
     pool = actionable or {r: n for r, n in kept.items() if n}

@@ -29,7 +29,13 @@ from offload.activations._handles import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from offload._core._runtime import Runtime
     from offload.activations._group import Group
+    from offload.activations._policy import Recording
+    from offload.config import OffloadConfig
+    from offload.stats import OffloadStats
 
 __all__ = ["Saves"]
 
@@ -119,6 +125,34 @@ class _Bucket(HostCopy):
 class Saves:
     """The placement of a forward's saves (a part of :class:`offload.activations._step.Step`,
     whose state it uses)."""
+
+    if TYPE_CHECKING:  # the state of the Step this is a part of, for the type checker
+        rt: Runtime
+        cfg: OffloadConfig
+        groups: list[Group]
+        open: Group | None
+        pending: list[tuple[Pending, torch.Tensor]]
+        forward_done: bool
+        storages: dict[int, list[Any]]  # copies, and (bucket, member index) pairs
+        buckets: dict[torch.dtype, _Bucket]
+        all_buckets: list[_Bucket]
+        stats: OffloadStats
+        outside: dict[str, int]
+        device: torch.device | None
+        backend: Any
+        counts: bool
+        watch: Any
+        d2h_queue: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]]
+        d2h_transient: list[torch.Tensor]
+        compress: bool
+        tensor_filter: Callable[[torch.Tensor], bool] | None
+        min_tensor_bytes: int
+        recording: Recording
+        holds_saves: bool
+        gathering: bool
+        _hold: Callable[..., Any]
+        reloaded_buffer: Callable[..., torch.Tensor]
+        handle_died: Callable[..., None]
 
     # ---- forward: packing ------------------------------------------------------------
 
@@ -556,7 +590,7 @@ class Saves:
             fence = self.rt.pool.h2d_fence if self.recording.fenced else None
             if ready is None and not transient:  # with a flat copy (transient): a mark of now
                 ready = self.d2h_ready
-            self.backend.d2h(queue, fence, times, transient, ready)  # type: ignore[union-attr]
+            self.backend.d2h(queue, fence, times, transient, ready)
 
     def _issue(self, group: Group) -> None:
         """Place ``group``'s held-back saves, issue its copies and record the D2H event

@@ -219,7 +219,7 @@ class Step(Saves, GroupLife):
 
     @capture.setter
     def capture(self, kind: str | None) -> None:
-        recording = RECORDINGS.get(kind)  # type: ignore[arg-type]
+        recording = RECORDINGS.get(kind)
         if recording is None:
             raise ValueError(f"capture={kind!r}: must be None, 'step' or 'layer'")
         self.recording = recording
@@ -229,7 +229,7 @@ class Step(Saves, GroupLife):
         return self.buffers.reuses
 
     @property
-    def spares(self) -> dict[int, list[torch.Tensor]]:
+    def spares(self) -> dict[Any, list[torch.Tensor]]:
         return self.buffers.spares
 
     # ---- forward: layer boundaries ----------------------------------------------------
@@ -385,7 +385,7 @@ class Step(Saves, GroupLife):
             keys = {t.untyped_storage()._cdata for t in tensors}
             sources = [src for src, _, _ in queue]
             for bucket in self.buckets.values():
-                sources += bucket.sources  # type: ignore[operator]
+                sources += bucket.sources  # type: ignore[arg-type]
             if not any(src.untyped_storage()._cdata in keys for src in sources):
                 return False
             self._flush_d2h(self.open)
@@ -452,7 +452,8 @@ class Step(Saves, GroupLife):
             for group in self.groups:
                 group.device_refs.clear()
                 group.state = RELEASED
-            for copies in [*self.storages.values(), self.all_buckets]:
+            every: list[list[Any]] = [*self.storages.values(), self.all_buckets]
+            for copies in every:
                 for copy in copies:
                     if type(copy) is tuple:
                         continue  # a bucket's member: the bucket is in all_buckets

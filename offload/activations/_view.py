@@ -91,7 +91,7 @@ def view_of(source: Any) -> StepView:
     calls of :func:`offload.make_graphed_callables` (one step per call, merged)."""
     steps = getattr(source, "steps", None) or [source]
     stats = source.read_stats()
-    layers = []
+    layers: list[LayerView] = []
     for step in steps:
         with step.rt.lock:
             for g in step.groups:

@@ -162,7 +162,7 @@ def get_cpu_offload_context(
         # loaded here: it imports dynamo (as costly as torch) when it loads
         from offload.weights._manual import manual_weight_context
 
-        return manual_weight_context(pair, num_layers, model_layers)
+        return manual_weight_context(pair, num_layers, model_layers)  # type: ignore[arg-type]
     return pair
 
 

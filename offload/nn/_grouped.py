@@ -106,14 +106,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
         need_b = needs[_N_META + n :] if ctx.has_bias else ()
         if ctx.compute_dtype is not None:
             grad_out = grad_out.to(ctx.compute_dtype)
-        x = ctx.saved_tensors[0] if any(need_w) else None
+        x: Any = ctx.saved_tensors[0] if any(need_w) else None
         weights = []
         for i, (ref, version) in enumerate(zip(ctx.weight_refs, ctx.weight_versions, strict=True)):
             w = deref_weight(ref, ctx.layer, f"weight{i}")
             check_weight_version(w, version, ctx.layer, f"weight{i}")
             weights.append(w)
         in_features = weights[0].shape[1]
-        grad_x = None
+        grad_x: Any = None
         if need_x:
             grad_x = torch.empty(
                 (grad_out.shape[0], in_features), dtype=grad_out.dtype, device=grad_out.device

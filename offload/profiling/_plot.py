@@ -37,6 +37,7 @@ def _draw(p: MemoryProfile, Figure: Any, Patch: Any) -> Any:
     import matplotlib
 
     tl = p.timeline
+    assert tl is not None  # the caller checked: a profile without one has no plot
     fig = Figure(figsize=(13, 6.5), layout="constrained")
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     cmap = matplotlib.colormaps["tab20"]

@@ -190,7 +190,7 @@ def _rate(gbps: float) -> str:
     return f"{gbps:.1f}" if gbps >= 1 else f"{gbps:.3f}"
 
 
-def _gib(n: float) -> str:
+def _gib(n: Any) -> str:
     return format_bytes(n)
 
 

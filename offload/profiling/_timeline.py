@@ -111,7 +111,7 @@ class Recorder:
 
     def timeline(self, records: list[tuple[int, tuple[Any, ...]]]) -> Timeline:
         step_ms = self.ms(self.end)
-        spans = {
+        spans: dict[int, dict[str, Any]] = {
             i: {
                 "forward_start": None,
                 "forward_end": None,

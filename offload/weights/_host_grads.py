@@ -150,7 +150,7 @@ class _HostGrads:
     ) -> None:
         backend = self.backend
         if not backend.is_async:
-            _accumulate(prm.master, prm.main_grad, grad, overwrite)  # type: ignore[arg-type]
+            _accumulate(prm.master, prm.main_grad, grad, overwrite)
             if after is not None:
                 after()
             return
@@ -266,6 +266,6 @@ def push(layers: _Layers) -> None:
             slot.write_event = None
             with torch.no_grad():
                 for prm in masters:
-                    host_view(prm).copy_(prm.master)  # type: ignore[arg-type]
+                    host_view(prm).copy_(prm.master)
             if slot.resident:  # refresh the device copy too, after its readers
                 layers.note_h2d(slot.load(backend, [], stream))  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ def populate(layers: _Layers, hooks: _Hooks, modules: Sequence[nn.Module]) -> No
             f"elements): nothing to offload"
         )
     check_shared(layers, found)
-    _start(layers, found[0].device)  # type: ignore[arg-type]
+    _start(layers, found[0].device)
     total = sum(n for layer in found for _st, n, _ps in layer.stores.values())
     layers.pool = HostPool(
         NO_LIMIT, layers.pin_memory, min(_MAX_SLAB, _next_pow2(max(total, 1))), ahead=False
@@ -91,7 +91,7 @@ def _install(
         if not prm.fused:
             slot.expected.add(id(prm.param))
         if layers.grads == "host":
-            _HostGrads.add_master(prm, layer.device)  # type: ignore[arg-type]
+            _HostGrads.add_master(prm, layer.device)
     slot.versions = [prm.param._version for prm in params]
     slot.stream = layers.backend.current_stream()  # type: ignore[union-attr]
     layers.slots.append(slot)
@@ -117,7 +117,7 @@ def adopt(layers: _Layers, hooks: _Hooks, module: nn.Module) -> _WeightSlot | No
         if layer is None:
             return None
         check_shared(layers, [layer])
-        _start(layers, layer.device)  # type: ignore[arg-type]
+        _start(layers, layer.device)
         if layers.pool is None:
             layers.pool = HostPool(NO_LIMIT, layers.pin_memory, _MAX_SLAB, ahead=False)
         blocks = allocate_blocks(layers.pool, [layer], layers.pin_memory)

@@ -87,7 +87,7 @@ def copy_to_host(
     params: list[_WeightParam] = []
     by_param: dict[int, _WeightParam] = {}
     for key, (storage, nbytes, named) in layer.stores.items():
-        st = _WeightStore(storage, nbytes, layer.device)  # type: ignore[arg-type]
+        st = _WeightStore(storage, nbytes, layer.device)
         st.block = blocks[key]
         st.host = st.block.tensor
         st.host.copy_(st.device)  # synchronous: the weights are on the host after it
@@ -97,9 +97,9 @@ def copy_to_host(
             by_param[id(p)] = prm
             params.append(prm)
     for name, p in layer.named:  # a parameter registered under several names
-        prm = by_param.get(id(p))
-        if prm is not None and name not in prm.names:
-            prm.names.append(name)
+        found = by_param.get(id(p))
+        if found is not None and name not in found.names:
+            found.names.append(name)
     return stores, params
 
 

@@ -388,16 +388,16 @@ class Family:
                 self.settle(f"verified: {m:.3f}x against steps without offloading")
         elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
             ratios = self.ratio(samples)
-            m = statistics.median(ratios) if ratios else None
-            self.measured_ratio = m
+            measured = statistics.median(ratios) if ratios else None
+            self.measured_ratio = measured
             tol = limit + self.noise(max_slowdown)
-            if m is not None and m > tol and not all(s[3] for s in samples):
+            if measured is not None and measured > tol and not all(s[3] for s in samples):
                 self.phase = Phase.VERIFY
                 self.none.clear()
                 self.plan.clear()
                 self.last_none = None
                 self.round_none = 0
-                self.note = f"the measured ratio drifted to {m:.3f}x: verifying again"
+                self.note = f"the measured ratio drifted to {measured:.3f}x: verifying again"
 
     def observe(
         self,
@@ -476,7 +476,7 @@ class Family:
         against what the current points predict at its size, any other step against
         nothing (``None``)."""
         points = record.points
-        if points is None or (points[0] is self.model and points[1] == points[0].version):
+        if points is None or (points[0] is self.model and points[1] == points[0].version):  # type: ignore[union-attr]
             return record.predicted_s, record.exact
         if record.run is not Run.NONE:
             return None, False

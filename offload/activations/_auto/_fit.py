@@ -93,7 +93,7 @@ class Estimate:
 
 #: Term subsets tried, most terms first (a tie keeps the earlier one), by how many
 #: points there are: a subset needs at least as many points as terms.
-_SUBSETS = {
+_SUBSETS: dict[int, list[tuple[int, ...]]] = {
     1: [(0,)],
     2: [(0, 1), (0,), (1,)],
     3: [(0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)],
