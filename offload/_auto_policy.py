@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -96,6 +97,12 @@ MAX_PENDING = 8
 #: The step after the first runs without offloading (to scale the first step's costs)
 #: only when its predicted peak is within this share of the memory limit.
 CALIBRATE_ROOM = 0.8
+
+#: said once per offloader, on its first measuring step on an accelerator
+_FIRST_STEP = (
+    "offload: the first step measures every layer with its copies in flight and pins "
+    "host memory as it goes (one-time work: it can take several times a later step)"
+)
 
 _NO_ACCELERATOR = {
     "reason": "no accelerator: there is no overlap to measure and no device memory to "
@@ -224,7 +231,13 @@ class AutoPolicy:
             k = min(k, 1)
         L = fam.model.num_groups
         calls = off._calls if len(off._calls) == L else [None] * L
-        step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers)
+        recomputed: tuple[int, ...] = ()
+        if k and k == chosen and not step.capture:
+            k, recomputed = self._recompute(off, sized, decision, cfg.prefetch_layers)
+            # a recomputed call measures its recompute, not its saves: not a probe
+            probe = probe and not recomputed
+        off._first_recomputed = 0 in recomputed
+        step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers, recomputed)
         fam.last_run = run
         # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
         fam.tick += 1
@@ -251,12 +264,16 @@ class AutoPolicy:
             forced=decision.memory_reason is not None,
             exact=est.exact,
             generation=fam.generation,
-            predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
+            predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers)
+            + sum(est.costs[i].forward_s for i in recomputed),
             next_ratio=decision.next_ratio,
-            predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
+            predicted_peak=None
+            if mem is None
+            else mem.peak_all + (0 if recomputed else sized.kept[k]),
             start_memory=memory,
             tick=fam.tick,
             warmup=warmup,
+            recomputed=recomputed,
             points=(fam.model, sized.version),
         )
         if watched:
@@ -265,6 +282,13 @@ class AutoPolicy:
             self._watch(off, step, record, meter, device, probe, tight)
         out = dict(stats)
         out.update(self._step_stats(fam, record, decision, est, mem))
+        if recomputed:
+            out["recomputed"] = list(recomputed)
+            out["reason"] = (
+                f"memory: {len(recomputed)} of {L} layer calls recomputed (inputs "
+                f"offloaded), the first {k} offloaded: more offloading than the link hides "
+                "or the host holds would cost more than recomputing. " + str(out.get("reason", ""))
+            )
         step.stats.auto = out
 
     def _measure_all(
@@ -296,6 +320,8 @@ class AutoPolicy:
         # costs anyway (pinned memory, kernel selection), not in the first decision's
         # step (the link's figures are cached per device; a capture allows no probe)
         if not step.capture:
+            if self.meter is None and self._cold:
+                print(_FIRST_STEP, file=sys.stderr, flush=True)
             meter.link(device)
             warm_up()
         record = StepRecord(
@@ -356,6 +382,43 @@ class AutoPolicy:
             self._drop(self.pending.popleft())
 
     # ---- deciding ----------------------------------------------------------------------
+
+    def _recompute(
+        self, off: Any, sized: Sized, decision: _auto.AutoDecision, prefetch: int | None
+    ) -> tuple[int, tuple[int, ...]]:
+        """The offloaded prefix and the calls run recomputed, their inputs offloaded
+        (Note [recomputed calls]), where memory forces more offloading than the link
+        hides or the host budget holds: offloading the memory floor's prefix (host
+        permitting), or the prefix the link hides (within the host budget) with every
+        later call recomputed, whichever is predicted faster. Otherwise the choice as
+        it is, and nothing recomputed."""
+        costs = sized.est.costs
+        L, k = len(costs), len(decision.offloaded)
+        room = off._runtime.pool.limit * (1.0 - MEMORY_MARGIN)
+        host_k, total = 0, 0
+        for c in costs:
+            total += c.nbytes
+            if total > room:
+                break
+            host_k += 1
+        forced = decision.memory_reason is not None
+        if not forced and k <= host_k:
+            return k, ()
+        if not forced:
+            # the host holds fewer calls than the link hides: is memory still fine
+            # with the rest resident? (the floor is what memory needs)
+            if decision.memory_offloaded <= host_k:
+                return host_k, ()
+        d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
+        inf = float("inf")
+        offload_all = self._predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
+        kb = min(decision.time_offloaded, host_k, L - 1)
+        with_recompute = self._predicted(sized, kb, d2h, h2d, prefetch) + sum(
+            c.forward_s for c in costs[kb:]
+        )
+        if offload_all <= with_recompute:
+            return k, ()
+        return kb, tuple(range(kb, L))
 
     @staticmethod
     def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:

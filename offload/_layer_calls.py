@@ -9,6 +9,7 @@ import torch
 
 from offload import _context
 from offload._diagnose import saved_elsewhere
+from offload._units import format_bytes
 from offload._warn import warn_at_caller
 
 if TYPE_CHECKING:
@@ -137,6 +138,10 @@ class LayerCalls:
                 self._saved_hooks.__enter__()  # type: ignore[union-attr]
                 self._aside = False
             step.close_group(output)
+            if group is not None:
+                if group.offload and not group.stats.recomputed:
+                    self._call_bytes = max(self._call_bytes, group.stats.bytes_offloaded)
+                self._before_call(step, group.index + 1)
             if (
                 group is not None
                 and group.offload
@@ -145,6 +150,38 @@ class LayerCalls:
             ):
                 if "saved_elsewhere" not in self._warned:
                     self._check_saved_elsewhere(step, group, module, output)
+
+    def _before_call(self, step: Step, index: int) -> None:
+        """Settle whether call ``index`` of ``step`` runs recomputed, before it starts
+        (Note [recomputed calls]): planned so, or an offloaded call whose saves the host
+        budget is predicted not to hold (the most one call sent, this forward or the
+        last), on the scheduled eager path."""
+        calls = self._calls
+        if index >= len(calls):
+            return
+        plan = step.plan
+        want = index in plan.recomputed or (index == 0 and self._first_recomputed)
+        if not want and index in plan.offloaded and not step.manual and step.capture is None:
+            want = self._host_short(index)
+        if want or len(self._recomputed):
+            step.recompute_next = self._recomputed.set(calls[index], want)
+
+    def _host_short(self, index: int) -> bool:
+        pool = self._runtime._pool
+        need = self._call_bytes or self._last_call_bytes
+        if pool is None or not need or pool.in_use_bytes + need <= pool.limit:
+            return False
+        if "host_recompute" not in self._warned:
+            self._warn_once(
+                "host_recompute",
+                f"host_memory_limit: the host pool holds {format_bytes(pool.in_use_bytes)} "
+                f"of {format_bytes(pool.limit)} and a layer call sends up to "
+                f"{format_bytes(need)}: layer call {index} and later ones that do not fit "
+                "run recomputed (torch's non-reentrant checkpoint), only their inputs "
+                "offloaded. Raise host_memory_limit (host RAM permitting) to offload them "
+                "instead.",
+            )
+        return True
 
     def _check_saved_elsewhere(self, step: Step, group: Any, module: Any, output: Any) -> None:
         """Warn once when an offloaded layer saved nothing through our hooks: whose were

@@ -18,6 +18,7 @@ from offload._handles import unpack_hook
 from offload._layer_calls import LayerCalls
 from offload._manual import _prune
 from offload._plan import check_selection, plan_forward
+from offload._recompute_calls import RecomputedCalls
 from offload._runtime import Runtime
 from offload._runtime import enter_no_offload as _enter_no_offload
 from offload._runtime import exit_no_offload as _exit_no_offload
@@ -213,6 +214,14 @@ class ActivationOffloader(LayerCalls):
         self._disabled = False
         self._disabled_entries = 0
         self._auto = AutoPolicy() if config.offload_layers == "auto" else None
+        #: calls run recomputed when host or device memory is short (Note [recomputed
+        #: calls]); the most bytes one offloaded call sent, this forward and the last
+        self._recomputed = RecomputedCalls()
+        self._call_bytes = 0
+        self._last_call_bytes = 0
+        #: whether the last plan recomputed the first call ("auto" decides at that call's
+        #: start, too late for that call: Note [recomputed calls])
+        self._first_recomputed = False
 
     # ---- the context ----------------------------------------------------------------
 
@@ -268,6 +277,9 @@ class ActivationOffloader(LayerCalls):
             if step.plan.offloads_nothing or (last is not None and last.untracked is not None):
                 first = self._calls[0]
             self._layer_hooks.add(self._layer_start, self._layer_end, first)
+            if self._call_bytes:
+                self._last_call_bytes, self._call_bytes = self._call_bytes, 0
+            self._before_call(step, 0)
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
@@ -295,6 +307,8 @@ class ActivationOffloader(LayerCalls):
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
         finally:
+            if len(self._recomputed):
+                self._recomputed.deactivate()
             self._layer_hooks.release()
             hooks, self._saved_hooks = self._saved_hooks, None
             _context.release(self)
@@ -348,6 +362,7 @@ class ActivationOffloader(LayerCalls):
             return
         self._closed = True
         self._next = None
+        self._recomputed.remove()
         self._runtime.close()
 
     def free_graph_memory(self) -> int:
