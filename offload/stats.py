@@ -41,6 +41,9 @@ class LayerStats:
         bytes_kept: bytes saved in this group that stayed on the device, by reason.
         d2h_seconds, h2d_seconds, stall_seconds: copy and stall times, ``None`` unless
             timings are recorded.
+        recomputed: the call ran recomputed (torch's non-reentrant checkpoint), only its
+            inputs saved and offloaded: host memory could not hold its saves, or device
+            memory needed more than the link hides (``offload_layers="auto"``).
 
     Example:
         >>> import offload, torch
@@ -66,6 +69,7 @@ class LayerStats:
     d2h_seconds: float | None = None
     h2d_seconds: float | None = None
     stall_seconds: float | None = None
+    recomputed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""

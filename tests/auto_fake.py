@@ -63,9 +63,12 @@ class FakeMemory:
     slack: int = 0
     reserved: float = 0.0  # the allocator's reserved peak since its last reset
 
-    def peak(self, tokens: int, k: int) -> float:
+    def peak(self, tokens: int, k: int, recomputed: tuple[int, ...] = ()) -> float:
+        """The peak offloading the first ``k`` calls, ``recomputed`` ones recomputed
+        (their saves off the device like an offloaded call's)."""
         freed = self.freed(tokens)
-        return self.base + self.act(tokens) + sum(freed[k : len(freed) - 1])
+        kept = [i for i in range(k, len(freed) - 1) if i not in recomputed]
+        return self.base + self.act(tokens) + sum(freed[i] for i in kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,14 +158,14 @@ class FakeMeter(Meter):
             times[("b1", i)] = t
         times[("end", 0)] = t if probe else self.step_time(n, k)
         self._times = times
-        self._tokens, self._k = n, k
+        self._tokens, self._k, self._recomputed = n, k, record.recomputed
         if self.fake_memory is not None:
             self.fake_memory.counter = self.fake_memory.reserved = self.fake_memory.base
 
     def mark(self, device: Any, what: str, index: int) -> tuple[Any, float]:
         mem = self.fake_memory
         if what == "end" and mem is not None:
-            peak = mem.peak(self._tokens, self._k)
+            peak = mem.peak(self._tokens, self._k, self._recomputed)
             mem.peaks.append((self._tokens, self._k, peak))
             mem.counter = max(mem.counter, peak)
             mem.reserved = max(mem.reserved, peak + mem.slack)

@@ -44,6 +44,7 @@ def _run(layers, ref, off, seq: int, dim: int = 64, batch: int = 2) -> dict:
     auto = dict(off.stats.auto)
     auto["sent"] = off.stats.bytes_offloaded
     auto["ran"] = [la.index for la in off.stats.layers if la.offloaded]
+    auto["ran_recomputed"] = [la.index for la in off.stats.layers if la.recomputed]
     return auto
 
 
@@ -63,12 +64,14 @@ def _family(off) -> _auto_policy.Family:
 # ---- memory first ------------------------------------------------------------------------
 
 
-def test_memory_first_offloads_what_memory_needs_from_the_first_step() -> None:
+def _memory_first(link_seconds: float) -> tuple[list[dict], FakeMemory, int, int]:
+    """Six layers whose step fits the device only with the first four offloaded (or
+    their saves off the device otherwise); the link sends a layer's saves in
+    ``link_seconds`` (a layer's forward: 0.5 ms)."""
     L, need = 6, 4
     layers, ref = _model(L)
     freed = _released(layers, 16)
-    # link-bound layers: the link alone would hide few of them
-    link = freed[0] / 4e-3
+    link = freed[0] / link_seconds
     base, act = 50 << 20, 3 * max(freed)
     peak_needed = base + act + sum(freed[need : L - 1])
     limit = int(peak_needed / (1 - _auto_policy.MEMORY_MARGIN)) + 1
@@ -78,21 +81,50 @@ def test_memory_first_offloads_what_memory_needs_from_the_first_step() -> None:
     off = _auto_offloader(layers, meter)
     seen = []
     for it in range(12):
-        auto = _run(layers, ref, off, 16)
+        auto = _run(layers, ref, off, 16)  # bitwise equal to no offloading
         seen.append(auto)
         assert auto["sent"] > 0, (it, auto)  # offloads from the first step on
         assert auto["step"] != "none", auto  # a step without offloading would not fit
     assert seen[0]["step"] == "probe" and seen[0]["ran"] == list(range(L - 1))
+    # the simulated device never held more than its limit
+    assert max(p for _, _, p in memory.peaks) <= limit
+    assert seen[-1]["phase"] == "settled"
+    assert "memory" in off.stats.summary()
+    off.close()
+    return seen, memory, L, need
+
+
+def test_memory_first_offloads_what_memory_needs_from_the_first_step() -> None:
+    # a link twice as slow as the forward: the link hides two layers; offloading the
+    # four memory needs stalls less than recomputing the four past the link's choice
+    seen, memory, L, need = _memory_first(1.0e-3)
     for auto in seen[1:]:
         assert len(auto["ran"]) >= need, auto
         assert auto["time_offloaded"] < need
         assert auto["memory_reason"] and "memory" in auto["reason"], auto
         assert auto["memory"]["floor"] == len(auto["ran"])
         assert auto["memory"]["peak"] <= auto["memory"]["limit"]
-    # the simulated device never held more than its limit
-    assert max(p for _, _, p in memory.peaks) <= limit
-    assert seen[-1]["phase"] == "settled"
-    assert "memory" in off.stats.summary()
+        assert "recomputed" not in auto
+
+
+def test_memory_first_recomputes_past_the_link_when_offloading_would_stall_more() -> None:
+    # link-bound layers (a layer's saves take 8x its forward on the link): the link's
+    # choice is offloaded and every later call runs recomputed, its inputs offloaded
+    # (Note [recomputed calls]), rather than stalling on four copies
+    seen, memory, L, need = _memory_first(4e-3)
+    for auto in seen[1:]:
+        assert auto["time_offloaded"] < need
+        assert auto["memory_reason"] and "memory" in auto["reason"], auto
+        k = auto["time_offloaded"]
+        assert auto["recomputed"] == list(range(k, L)), auto
+        assert auto["ran"] == list(range(L)), auto  # recomputed calls offload inputs
+        assert "recomputed" in auto["reason"]
+    # the first call's wrapper goes on before the next step's first call (the choice is
+    # made at that call's start: Note [recomputed calls]); the others at once
+    assert seen[1]["ran_recomputed"] == [i for i in seen[1]["recomputed"] if i > 0]
+    for auto in seen[2:]:
+        assert auto["ran_recomputed"] == auto["recomputed"], auto
+    assert max(p for _, _, p in memory.peaks) <= memory.limit
 
 
 def test_no_step_without_offloading_when_memory_cannot_hold_one() -> None:

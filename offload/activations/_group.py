@@ -128,11 +128,11 @@ class Group:
         return self.state is RELEASED
 
 
-class GroupLife:
-    """The transitions of a forward's groups: release, reload, drop, and the death of
-    their handles (a part of :class:`offload.activations._step.Step`, whose state it uses)."""
+if TYPE_CHECKING:
 
-    if TYPE_CHECKING:  # the state of the Step this is a part of, for the type checker
+    class _LifeState:
+        """The state of the Step that :class:`GroupLife` is a part of, for the type checker."""
+
         rt: Runtime
         backend: Backend | None
         groups: list[Group]
@@ -147,6 +147,14 @@ class GroupLife:
         _issue: Callable[[Group], None]
         _copy: Callable[..., Any]
         _flush_d2h: Callable[..., None]
+
+else:
+    _LifeState = object
+
+
+class GroupLife(_LifeState):
+    """The transitions of a forward's groups: release, reload, drop, and the death of
+    their handles (a part of :class:`offload.activations._step.Step`, whose state it uses)."""
 
     def _release_members(self, bucket: _Bucket) -> int:
         """The release of a bucket's members (Note [release order], 3): the in-place

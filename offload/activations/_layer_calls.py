@@ -8,15 +8,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offload._core import _context
+from offload._core._units import format_bytes
 from offload._core._warn import warn_at_caller
 from offload.activations._diagnose import saved_elsewhere
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from offload._core._runtime import Runtime
     from offload.activations._attach import LayerHooks
     from offload.activations._auto._policy import AutoPolicy
     from offload.activations._diagnose import CallOrder
+    from offload.activations._recompute_calls import RecomputedCalls
     from offload.activations._step import Step
 
 __all__ = ["LayerCalls"]
@@ -69,22 +72,36 @@ def _hooks_on_top(saved_hooks: Any) -> bool:
     return current is not None and current[0] is saved_hooks.pack_hook
 
 
-class LayerCalls:
-    """The forward pre-hook and forward hook that :class:`offload.ActivationOffloader`
-    puts on each of its layers (a part of it, whose state they use)."""
+if TYPE_CHECKING:
 
-    if TYPE_CHECKING:  # the state of the offloader this is a part of, for the type checker
+    class _OffloaderState:
+        """The state of the offloader that :class:`LayerCalls` is a part of, for the type checker."""
+
         _step: Step | None
         _layers: list[torch.nn.Module]
         _layer_hooks: LayerHooks
         _saved_hooks: Any
         _warned: set[str]
         _aside: bool
+        _runtime: Runtime
+        _calls: list[Any]
+        _recomputed: RecomputedCalls
+        _call_bytes: int
+        _last_call_bytes: int
+        _first_recomputed: bool
         _order: CallOrder
         _auto: AutoPolicy | None
         _new_step: Callable[[], Step]
         _end_forward: Callable[[Step], None]
         _warn_once: Callable[[str, str], None]
+
+else:
+    _OffloaderState = object
+
+
+class LayerCalls(_OffloaderState):
+    """The forward pre-hook and forward hook that :class:`offload.ActivationOffloader`
+    puts on each of its layers (a part of it, whose state they use)."""
 
     def _layer_start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         step = self._step
@@ -155,6 +172,10 @@ class LayerCalls:
                 self._saved_hooks.__enter__()
                 self._aside = False
             step.close_group(output)
+            if group is not None:
+                if group.offload and not group.stats.recomputed:
+                    self._call_bytes = max(self._call_bytes, group.stats.bytes_offloaded)
+                self._before_call(step, group.index + 1)
             if (
                 group is not None
                 and group.offload
@@ -163,6 +184,38 @@ class LayerCalls:
             ):
                 if "saved_elsewhere" not in self._warned:
                     self._check_saved_elsewhere(step, group, module, output)
+
+    def _before_call(self, step: Step, index: int) -> None:
+        """Settle whether call ``index`` of ``step`` runs recomputed, before it starts
+        (Note [recomputed calls]): planned so, or an offloaded call whose saves the host
+        budget is predicted not to hold (the most one call sent, this forward or the
+        last), on the scheduled eager path."""
+        calls = self._calls
+        if index >= len(calls):
+            return
+        plan = step.plan
+        want = index in plan.recomputed or (index == 0 and self._first_recomputed)
+        if not want and index in plan.offloaded and not step.manual and step.capture is None:
+            want = self._host_short(index)
+        if want or len(self._recomputed):
+            step.recompute_next = self._recomputed.set(calls[index], want)
+
+    def _host_short(self, index: int) -> bool:
+        pool = self._runtime._pool
+        need = self._call_bytes or self._last_call_bytes
+        if pool is None or not need or pool.in_use_bytes + need <= pool.limit:
+            return False
+        if "host_recompute" not in self._warned:
+            self._warn_once(
+                "host_recompute",
+                f"host_memory_limit: the host pool holds {format_bytes(pool.in_use_bytes)} "
+                f"of {format_bytes(pool.limit)} and a layer call sends up to "
+                f"{format_bytes(need)}: layer call {index} and later ones that do not fit "
+                "run recomputed (torch's non-reentrant checkpoint), only their inputs "
+                "offloaded. Raise host_memory_limit (host RAM permitting) to offload them "
+                "instead.",
+            )
+        return True
 
     def _check_saved_elsewhere(self, step: Step, group: Any, module: Any, output: Any) -> None:
         """Warn once when an offloaded layer saved nothing through our hooks: whose were

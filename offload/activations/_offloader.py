@@ -22,6 +22,7 @@ from offload.activations._diagnose import CallOrder
 from offload.activations._handles import unpack_hook
 from offload.activations._layer_calls import LayerCalls
 from offload.activations._manual import _prune
+from offload.activations._recompute_calls import RecomputedCalls
 from offload.activations._schedule import check_selection, plan_forward
 from offload.activations._step import Step
 from offload.activations._view import StepView, view_of
@@ -215,6 +216,14 @@ class ActivationOffloader(LayerCalls):
         self._disabled = False
         self._disabled_entries = 0
         self._auto = AutoPolicy() if config.offload_layers == "auto" else None
+        #: calls run recomputed when host or device memory is short (Note [recomputed
+        #: calls]); the most bytes one offloaded call sent, this forward and the last
+        self._recomputed = RecomputedCalls()
+        self._call_bytes = 0
+        self._last_call_bytes = 0
+        #: whether the last plan recomputed the first call ("auto" decides at that call's
+        #: start, too late for that call: Note [recomputed calls])
+        self._first_recomputed = False
 
     # ---- the context ----------------------------------------------------------------
 
@@ -270,6 +279,9 @@ class ActivationOffloader(LayerCalls):
             if step.plan.offloads_nothing or (last is not None and last.untracked is not None):
                 first = self._calls[0]
             self._layer_hooks.add(self._layer_start, self._layer_end, first)
+            if self._call_bytes:
+                self._last_call_bytes, self._call_bytes = self._call_bytes, 0
+            self._before_call(step, 0)
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_hook)
             self._saved_hooks.__enter__()
         except BaseException:
@@ -297,6 +309,8 @@ class ActivationOffloader(LayerCalls):
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
         finally:
+            if len(self._recomputed):
+                self._recomputed.deactivate()
             self._layer_hooks.release()
             hooks, self._saved_hooks = self._saved_hooks, None
             _context.release(self)
@@ -360,6 +374,7 @@ class ActivationOffloader(LayerCalls):
             return
         self._closed = True
         self._next = None
+        self._recomputed.remove()
         self._runtime.close()
 
     def free_graph_memory(self) -> int:

@@ -122,11 +122,11 @@ class _Bucket(HostCopy):
         self.watched: dict[int, StorageWeakRef] | None = None
 
 
-class Saves:
-    """The placement of a forward's saves (a part of :class:`offload.activations._step.Step`,
-    whose state it uses)."""
+if TYPE_CHECKING:
 
-    if TYPE_CHECKING:  # the state of the Step this is a part of, for the type checker
+    class _SavesState:
+        """The state of the Step that :class:`Saves` is a part of, for the type checker."""
+
         rt: Runtime
         cfg: OffloadConfig
         groups: list[Group]
@@ -153,6 +153,14 @@ class Saves:
         _hold: Callable[..., Any]
         reloaded_buffer: Callable[..., torch.Tensor]
         handle_died: Callable[..., None]
+
+else:
+    _SavesState = object
+
+
+class Saves(_SavesState):
+    """The placement of a forward's saves (a part of :class:`offload.activations._step.Step`,
+    whose state it uses)."""
 
     # ---- forward: packing ------------------------------------------------------------
 

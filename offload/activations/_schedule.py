@@ -40,6 +40,9 @@ class Schedule:
     #: no call of any forward is offloaded, however many it makes (``offload_layers``
     #: ``0`` or empty, or "auto" choosing none): Note [untracked calls]
     offloads_nothing: bool = False
+    #: offloaded calls run recomputed, only their inputs saved (Note [recomputed calls]
+    #: in ``offload/activations/_recompute_calls.py``); a subset of ``offloaded``
+    recomputed: frozenset[int] = frozenset()
 
 
 def make_plan(
@@ -47,6 +50,7 @@ def make_plan(
     offloaded: Sequence[int],
     prefetch_layers: int | None,
     select: Callable[[int, Any], bool] | None = None,
+    recomputed: Sequence[int] = (),
 ) -> Schedule:
     """The schedule of Note [release order] for ``offloaded`` (sorted) of ``num_groups``.
 
@@ -54,6 +58,7 @@ def make_plan(
     call ``max(s_j + 1, L - k + j)`` starts (never more than L - k groups resident, each
     kept as long as that allows) and reloaded when the backward of call
     ``min(L - 1, max(s_j + 1, L - 1 - k + j))`` starts, or of ``s_j + prefetch_layers``.
+    ``recomputed`` (a subset of ``offloaded``) run recomputed, their inputs offloaded.
     """
     L, k = num_groups, len(offloaded)
     release: dict[int, list[int]] = collections.defaultdict(list)
@@ -74,6 +79,7 @@ def make_plan(
         release_at={r: tuple(g) for r, g in release.items()},
         reload_at={q: tuple(sorted(g, reverse=True)) for q, g in reload.items()},
         select=select or (lambda i, m: i in chosen),
+        recomputed=frozenset(recomputed) & chosen,
     )
 
 
@@ -95,8 +101,10 @@ def plan_forward(
     selection: LayerSelection,
     calls: Sequence[Any],
     prefetch_layers: int | None,
+    recomputed: tuple[int, ...] = (),
 ) -> Schedule:
-    """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order.
+    """The plan of a forward expected to call ``calls`` (modules, or ``None``) in order;
+    ``recomputed`` calls are offloaded too, recomputed (Note [recomputed calls]).
 
     A selection that is not a callable ignores the modules: its plans are shared (a
     :class:`Schedule` is never modified), since every step asks for one."""
@@ -106,19 +114,26 @@ def plan_forward(
             if selection is None or isinstance(selection, (int, str))
             else tuple(selection)
         )
-        return _shared_plan(key, len(calls), prefetch_layers)
-    return _plan(selection, calls, prefetch_layers)
+        return _shared_plan(key, len(calls), prefetch_layers, recomputed)
+    return _plan(selection, calls, prefetch_layers, recomputed)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _shared_plan(selection: Any, num_groups: int, prefetch_layers: int | None) -> Schedule:
-    return _plan(selection, [None] * num_groups, prefetch_layers)
+def _shared_plan(
+    selection: Any, num_groups: int, prefetch_layers: int | None, recomputed: tuple[int, ...]
+) -> Schedule:
+    return _plan(selection, [None] * num_groups, prefetch_layers, recomputed)
 
 
-def _plan(selection: LayerSelection, calls: Sequence[Any], prefetch_layers: int | None) -> Schedule:
+def _plan(
+    selection: LayerSelection,
+    calls: Sequence[Any],
+    prefetch_layers: int | None,
+    recomputed: tuple[int, ...] = (),
+) -> Schedule:
     select = resolve_selection(selection, len(calls))
-    offloaded = [i for i, m in enumerate(calls) if select(i, m)]
-    plan = make_plan(len(calls), offloaded, prefetch_layers, select)
+    offloaded = [i for i, m in enumerate(calls) if select(i, m) or i in recomputed]
+    plan = make_plan(len(calls), offloaded, prefetch_layers, select, recomputed)
     if not offloaded and _selects_nothing(selection):
         plan = dataclasses.replace(plan, offloads_nothing=True)
     return plan

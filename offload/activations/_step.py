@@ -200,6 +200,9 @@ class Step(Saves, GroupLife):
         self.late_mark: Any = None
         #: the call at whose open the late group's saves were placed (None: at its close)
         self.placed_late_at: int | None = None
+        #: the next layer call runs recomputed, its inputs offloaded: settled by the
+        #: offloader before the call starts (Note [recomputed calls])
+        self.recompute_next = False
 
     @property
     def manual(self) -> bool:
@@ -252,6 +255,9 @@ class Step(Saves, GroupLife):
             stream = self.backend.current_stream() if self.backend is not None else None
             self.gathering = recording.gathers and trigger.gathers and not self.compress
             group = Group(index, module, offload, stream)
+            if self.recompute_next:
+                group.stats.recomputed = True
+                self.recompute_next = False
             if offload and index == 0 and recording.gathers and trigger.gathers and not self.probe:
                 group.deferred = []  # Note [release order], 1(c)
             if self.cfg.timing:

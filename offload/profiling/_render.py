@@ -161,13 +161,24 @@ def stats_summary(stats: OffloadStats) -> str:
             f"{format_bytes(stats.compress_bytes_after)}, ratio "
             f"{stats.compress_bytes_after / stats.compress_bytes_before:.2f})"
         )
-    return auto + (
-        f"offloaded {format_bytes(stats.bytes_offloaded)}{packed} "
-        f"(freed {format_bytes(stats.bytes_released)} on the device) in "
-        f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "
-        f"layers; kept {kept or 'nothing'}; host pool {format_bytes(stats.host_pool_bytes)} "
-        f"in use, {format_bytes(stats.host_pool_reserved_bytes)} reserved"
+    return (
+        auto
+        + (
+            f"offloaded {format_bytes(stats.bytes_offloaded)}{packed} "
+            f"(freed {format_bytes(stats.bytes_released)} on the device) in "
+            f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "
+            f"layers; kept {kept or 'nothing'}; host pool {format_bytes(stats.host_pool_bytes)} "
+            f"in use, {format_bytes(stats.host_pool_reserved_bytes)} reserved"
+        )
+        + _recomputed_text(stats)
     )
+
+
+def _recomputed_text(stats: OffloadStats) -> str:
+    n = sum(1 for la in stats.layers if la.recomputed)
+    if not n:
+        return ""
+    return f"; {n} layer calls recomputed (inputs offloaded: Note [recomputed calls])"
 
 
 def _console(console: Any) -> Any:

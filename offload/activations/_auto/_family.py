@@ -190,6 +190,8 @@ class StepRecord:
     #: predictions])
     points: tuple[Any, int] | None = None
     tick: int = 0  # the family's step count when it was prepared
+    #: calls run recomputed, their inputs offloaded (Note [recomputed calls])
+    recomputed: tuple[int, ...] = ()
     warmup: bool = False  # a step of the choice not counted (module docstring)
     watch: StepWatch | None = None
     age: int = 0

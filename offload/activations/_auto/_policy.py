@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -112,6 +113,12 @@ MAX_PENDING = 8
 #: only when its predicted peak is within this share of the memory limit.
 CALIBRATE_ROOM = 0.8
 
+#: said once per offloader, on its first measuring step on an accelerator
+_FIRST_STEP = (
+    "offload: the first step measures every layer with its copies in flight and pins "
+    "host memory as it goes (one-time work: it can take several times a later step)"
+)
+
 _NO_ACCELERATOR = {
     "reason": "no accelerator: there is no overlap to measure and no device memory to "
     "save; 'auto' selects like 'all' (every call but the last)"
@@ -145,6 +152,90 @@ def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
         for c in est.costs
     ]
     return costs, est.gap_s * s
+
+
+def _recompute_split(
+    off: Any, sized: Sized, decision: _auto.AutoDecision, prefetch: int | None
+) -> tuple[int, tuple[int, ...]]:
+    """The offloaded prefix and the calls run recomputed, their inputs offloaded
+    (Note [recomputed calls]), where memory forces more offloading than the link
+    hides or the host budget holds: offloading the memory floor's prefix (host
+    permitting), or the prefix the link hides (within the host budget) with every
+    later call recomputed, whichever is predicted faster. Otherwise the choice as
+    it is, and nothing recomputed."""
+    costs = sized.est.costs
+    L, k = len(costs), len(decision.offloaded)
+    room = off._runtime.pool.limit * (1.0 - MEMORY_MARGIN)
+    host_k, total = 0, 0
+    for c in costs:
+        total += c.nbytes
+        if total > room:
+            break
+        host_k += 1
+    forced = decision.memory_reason is not None
+    if not forced and k <= host_k:
+        return k, ()
+    if not forced:
+        # the host holds fewer calls than the link hides: is memory still fine
+        # with the rest resident? (the floor is what memory needs)
+        if decision.memory_offloaded <= host_k:
+            return host_k, ()
+    d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
+    inf = float("inf")
+    offload_all = _predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
+    kb = min(decision.time_offloaded, host_k, L - 1)
+    with_recompute = _predicted(sized, kb, d2h, h2d, prefetch) + sum(
+        c.forward_s for c in costs[kb:]
+    )
+    if offload_all <= with_recompute:
+        return k, ()
+    return kb, tuple(range(kb, L))
+
+
+def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
+    """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
+    got = sized.predicted.get(k)
+    if got is None:
+        est = sized.est
+        got = sized.predicted[k] = _auto.predict_step(
+            est.costs, range(k), d2h, h2d, prefetch, est.gap_s
+        )
+    return got
+
+
+def _step_stats(
+    fam: Family,
+    record: StepRecord,
+    decision: _auto.AutoDecision,
+    est: Estimate,
+    mem: Memory | None,
+    state: dict[str, int],
+) -> dict[str, Any]:
+    """What ``OffloadStats.auto`` says of one decided step (``state``: the policy's sizes)."""
+    run = record.run
+    out: dict[str, Any] = {
+        "phase": fam.phase.value,
+        "step": run.value,
+        "offloaded": list(range(record.offloaded)),
+        "chosen": list(decision.offloaded),
+        "tokens": record.tokens,
+        "exact": est.exact,
+        "scale": fam.scale,
+        "measured_ratio": fam.measured_ratio,
+        # the costs come from the offloader's first (cold) step alone
+        "cold": fam.model is not None and all(p.cold for p in fam.model.points),
+        "verification": fam.note,
+        "memory": None if mem is None else mem.to_dict(),
+        "state": state,
+    }
+    if run is Run.NONE and decision.offloaded:
+        out["reason"] = (
+            f"verifying: this step runs without offloading, in alternation with the "
+            f"choice ({decision.reason})"
+        )
+    elif run is Run.PROBE:
+        out["reason"] = f"measuring this size again at the choice's plan: {decision.reason}"
+    return out
 
 
 def describe(inputs: Any) -> tuple[Any, int, int, torch.device] | None:
@@ -239,7 +330,13 @@ class AutoPolicy:
             k = min(k, 1)
         L = fam.model.num_groups
         calls = off._calls if len(off._calls) == L else [None] * L
-        step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers)
+        recomputed: tuple[int, ...] = ()
+        if k and k == chosen and not step.capture:
+            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers)
+            # a recomputed call measures its recompute, not its saves: not a probe
+            probe = probe and not recomputed
+        off._first_recomputed = 0 in recomputed
+        step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers, recomputed)
         fam.last_run = run
         # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
         fam.tick += 1
@@ -266,12 +363,16 @@ class AutoPolicy:
             forced=decision.memory_reason is not None,
             exact=est.exact,
             generation=fam.generation,
-            predicted_s=self._predicted(sized, k, d2h, h2d, cfg.prefetch_layers),
+            predicted_s=_predicted(sized, k, d2h, h2d, cfg.prefetch_layers)
+            + sum(est.costs[i].forward_s for i in recomputed),
             next_ratio=decision.next_ratio,
-            predicted_peak=None if mem is None else mem.peak_all + sized.kept[k],
+            predicted_peak=None
+            if mem is None
+            else mem.peak_all + (0 if recomputed else sized.kept[k]),
             start_memory=memory,
             tick=fam.tick,
             warmup=warmup,
+            recomputed=recomputed,
             points=(fam.model, sized.version),
         )
         if watched:
@@ -279,7 +380,14 @@ class AutoPolicy:
             tight = mem is not None and (mem.floor > 0 or mem.peak > 0.8 * mem.limit)
             self._watch(off, step, record, meter, device, probe, tight)
         out = dict(stats)
-        out.update(self._step_stats(fam, record, decision, est, mem))
+        out.update(_step_stats(fam, record, decision, est, mem, self.state_size()))
+        if recomputed:
+            out["recomputed"] = list(recomputed)
+            out["reason"] = (
+                f"memory: {len(recomputed)} of {L} layer calls recomputed (inputs "
+                f"offloaded), the first {k} offloaded: more offloading than the link hides "
+                "or the host holds would cost more than recomputing. " + str(out.get("reason", ""))
+            )
         step.stats.auto = out
 
     def _measure_all(
@@ -311,6 +419,8 @@ class AutoPolicy:
         # costs anyway (pinned memory, kernel selection), not in the first decision's
         # step (the link's figures are cached per device; a capture allows no probe)
         if not step.capture:
+            if self.meter is None and self._cold:
+                print(_FIRST_STEP, file=sys.stderr, flush=True)
             meter.link(device)
             warm_up()
         record = StepRecord(
@@ -371,17 +481,6 @@ class AutoPolicy:
             self._drop(self.pending.popleft())
 
     # ---- deciding ----------------------------------------------------------------------
-
-    @staticmethod
-    def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
-        """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
-        got = sized.predicted.get(k)
-        if got is None:
-            est = sized.est
-            got = sized.predicted[k] = _auto.predict_step(
-                est.costs, range(k), d2h, h2d, prefetch, est.gap_s
-            )
-        return got
 
     def _decide(
         self,
@@ -575,36 +674,3 @@ class AutoPolicy:
             # measured again, warm, at the choice's own plan; first a step without
             # offloading (where memory allows) scales the cold costs that choice uses
             fam.reprobe = fam.calibrate = True
-
-    def _step_stats(
-        self,
-        fam: Family,
-        record: StepRecord,
-        decision: _auto.AutoDecision,
-        est: Estimate,
-        mem: Memory | None,
-    ) -> dict[str, Any]:
-        run = record.run
-        out: dict[str, Any] = {
-            "phase": fam.phase.value,
-            "step": run.value,
-            "offloaded": list(range(record.offloaded)),
-            "chosen": list(decision.offloaded),
-            "tokens": record.tokens,
-            "exact": est.exact,
-            "scale": fam.scale,
-            "measured_ratio": fam.measured_ratio,
-            # the costs come from the offloader's first (cold) step alone
-            "cold": fam.model is not None and all(p.cold for p in fam.model.points),
-            "verification": fam.note,
-            "memory": None if mem is None else mem.to_dict(),
-            "state": self.state_size(),
-        }
-        if run is Run.NONE and decision.offloaded:
-            out["reason"] = (
-                f"verifying: this step runs without offloading, in alternation with the "
-                f"choice ({decision.reason})"
-            )
-        elif run is Run.PROBE:
-            out["reason"] = f"measuring this size again at the choice's plan: {decision.reason}"
-        return out

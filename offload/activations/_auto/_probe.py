@@ -275,6 +275,10 @@ class Probe(StepWatch):
         self.at_close: list[int] = []
         self.at_backward: list[int] | None = None
         self.allocated_max: int | None = None
+        #: per call: whether it ran recomputed (Note [recomputed calls]) and its module's
+        #: class, whose measured calls stand in for it (:meth:`_stand_in`)
+        self.recomputed: list[bool] = []
+        self.kinds: list[type] = []
 
     def opened(self, step: Any, group: Any, inputs: Any) -> None:
         super().opened(step, group, inputs)
@@ -283,6 +287,8 @@ class Probe(StepWatch):
         self.times.append(group.times)
         self.stats.append(group.stats)
         self.offloaded.append(bool(group.offload))
+        self.recomputed.append(bool(group.stats.recomputed))
+        self.kinds.append(type(group.module))
         self.copies.append(0)
         index = group.index
         self.marks.append({"f0": self.meter.mark(self.device, "f0", index)})
@@ -380,7 +386,24 @@ class Probe(StepWatch):
             meter.stall_seconds(t[a:b]) for t, a, b in zip(self.times, self.at_close, at_backward)
         )
         out.gap_s = max(0.0, _seconds(meter, last["f1"], last["b0"]) - gap_stall)
+        self._stand_in(out)
         return out
+
+    def _stand_in(self, out: ProbeResult) -> None:
+        """A call that ran recomputed (host memory was short) saved only its inputs and
+        recomputed in its backward: its bytes and backward are those of the nearest call
+        of the same class that did not, so the policy's costs describe the call itself."""
+        plain = [i for i, r in enumerate(self.recomputed) if not r]
+        for i, r in enumerate(self.recomputed):
+            if not r:
+                continue
+            same = [j for j in plain if self.kinds[j] is self.kinds[i]]
+            if not same:
+                continue
+            j = min(same, key=lambda j: abs(j - i))
+            for name in ("backward_s", "host_backward_s", "link_bytes", "freed_bytes", "copies"):
+                values = getattr(out, name)
+                values[i] = values[j]
 
 
 def _seconds(meter: Meter, a: tuple[Any, float], b: tuple[Any, float]) -> float:
