@@ -191,22 +191,29 @@ def pack_unpack_direct(
 
     The only code of the benchmarks that uses the scheduler's internals
     (``Runtime``, ``Step``, ``make_plan``, ``unpack_hook``): adapt
-    it here when they change. Also runs against the package before its scheduler was
-    split into modules (``offload/_scheduler.py``), for old-vs-new comparisons
+    it here when they change. Also runs against the flat layout and the package before
+    its scheduler was split into modules (``offload/_scheduler.py``), for old-vs-new comparisons
     (``bench_versions.py``). One run: ``tensors`` fresh tensors packed in ``groups``
     groups (``open_group`` / ``pack`` ... / ``close_group``), ``finish_forward()``, every
     handle unpacked in reverse order, then every handle dropped. Returns the per-phase
     host seconds of every run and the medians in us per tensor.
     """
-    from offload.activations._handles import unpack_hook
-    from offload.activations._schedule import make_plan
     from offload.config import OffloadConfig
 
-    try:
+    try:  # the package in subpackages (offload/_core/, offload/activations/)
         from offload._core._runtime import Runtime
+        from offload.activations._handles import unpack_hook
+        from offload.activations._schedule import make_plan
         from offload.activations._step import Step
-    except ImportError:  # the package before its scheduler was split into modules
-        from offload._scheduler import Runtime, Step  # type: ignore[no-redef]
+    except ImportError:  # flat modules under offload/
+        from offload._handles import unpack_hook  # type: ignore[no-redef]
+        from offload._plan import make_plan  # type: ignore[no-redef]
+
+        try:
+            from offload._runtime import Runtime  # type: ignore[no-redef]
+            from offload._step import Step  # type: ignore[no-redef]
+        except ImportError:  # the package before its scheduler was split into modules
+            from offload._scheduler import Runtime, Step  # type: ignore[no-redef]
 
     runtime = Runtime(OffloadConfig(min_tensor_bytes=0))
     per_group = tensors // groups

@@ -126,7 +126,11 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import offload
-        from offload.models import ReferenceModel
+
+        try:
+            from offload.models import ReferenceModel
+        except ImportError:  # the tree before the reference model became offload.models
+            from offload._reference import ReferenceModel  # type: ignore[no-redef]
 
         tree = Path(args.tree).resolve()
         self.offload_file = Path(offload.__file__).resolve()
@@ -443,13 +447,20 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"total wall time {result['wall_s']:.0f} s")
 
 
+def _reference_source(tree: Path) -> Path:
+    """The reference model's module in ``tree`` (``offload/models.py``, formerly
+    ``offload/_reference.py``)."""
+    new = tree / "offload" / "models.py"
+    return new if new.exists() else tree / "offload" / "_reference.py"
+
+
 def run_driver(args: argparse.Namespace) -> None:
     from benchmarks._common import environment, write_json
 
     begin = time.perf_counter()
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
     table = {p: names for p, names in args.configs.items() if names}
-    references = [(t / "offload" / "_reference.py").read_bytes() for t in trees.values()]
+    references = [_reference_source(t).read_bytes() for t in trees.values()]
     result: dict[str, Any] = {
         "benchmark": "bench_versions",
         "command": [sys.executable, *sys.argv],

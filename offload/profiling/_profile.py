@@ -1,5 +1,5 @@
 """Measure what offloading saves on the user's own model: :func:`profile_step`, which
-returns a :class:`~offload.MemoryProfile` (data: ``offload/profiling.py``).
+returns a :class:`~offload.MemoryProfile` (data: ``_data.py`` beside this module).
 
 Every access to private state of :class:`~offload.ActivationOffloader` is in
 :class:`_Internals`, so that a rename there needs one change here.

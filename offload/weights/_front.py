@@ -1,7 +1,7 @@
 """The public front of weight offloading (docs/design.md 4.10): :class:`WeightOffloader`,
 which keeps layers' parameters in host memory between their uses. The work is done by
-``offload/weights/``; ``# Note [weight residency]`` there (``_residency.py``) says when
-each weight is on the device and why every wait is safe."""
+the other modules of ``offload/weights/``; ``# Note [weight residency]`` in
+``_residency.py`` says when each weight is on the device and why every wait is safe."""
 
 from __future__ import annotations
 
