@@ -26,7 +26,7 @@
 #   ckpt       checkpoint.json, recompute_host.json and checkpoint_hf.json
 #   codec      codec.json (the fp8 codec alone) and codec_share.json (its share of a step)
 #   compress   compress_accuracy_ref8l.json and compress_accuracy.json (fp8 accuracy)
-#   graphs     tests/test_graphs_cuda.py, then graphs_tiny48.json and graphs_ref8l.json
+#   graphs     tests/activations/test_graphs_cuda.py, then graphs_tiny48.json and graphs_ref8l.json
 #   multigpu   multigpu_memcpy.json, then bench_multigpu.py under torchrun on every GPU
 #   diagnostics  diagnostics/*.json and logs (feed no table)
 #   extra      any command in $EXTRA
@@ -92,7 +92,7 @@ for part in $parts; do
              --out "$OUT/compress_accuracy_ref8l.json" 2>&1 | tail -25
              timeout 300 python3 $B/compress/bench_compress_accuracy.py --compress-fp32 \
              --out "$OUT/compress_accuracy.json" 2>&1 | tail -40 ;;
-    graphs) timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graphs_cuda.py \
+    graphs) timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/activations/test_graphs_cuda.py \
              2>&1 | tee "$OUT/pytest_graphs.log" | tail -25
             timeout 200 python3 $B/graphs/bench_graphs.py --preset tiny48 \
              --out "$OUT/graphs_tiny48.json" 2>&1 | tail -15

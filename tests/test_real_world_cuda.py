@@ -4,7 +4,7 @@ parameters equal), a Hugging Face ``Trainer`` with ``attach()`` (parameters bitw
 layers compiled one by one with inductor (both compile forms, with the offloader and
 with ``offload.checkpoint``: bitwise against the same compiled layers without
 offloading). ``offload_checkpointing()`` on a Hugging Face Llama is
-``tests/test_checkpoint_cuda.py::test_hf_llama_bf16_sdpa``.
+``tests/recompute/test_checkpoint_cuda.py::test_hf_llama_bf16_sdpa``.
 
 Deterministic algorithms throughout, and attention written out (softmax of ``q k^T``) or
 Hugging Face's ``attn_implementation="eager"``: SDPA's flash backward is not
@@ -178,7 +178,7 @@ def test_lightning_trainer_with_attach_has_equal_losses() -> None:
 
 
 def test_hf_trainer_with_attach_is_bitwise() -> None:
-    from tests.test_attach import trainer_is_bitwise_equal
+    from tests.activations.test_attach import trainer_is_bitwise_equal
 
     trainer_is_bitwise_equal(use_cpu=False)
 

@@ -5,7 +5,7 @@ Command (one H200, about a minute)::
     PYTHONPATH=. python3 benchmarks/diagnostics/new_lengths.py --out new_lengths.json
 
 Model: ``benchmarks._common.llama_1b_config`` (HF Llama ~1.1B, SDPA, bf16, random
-weights, batch 1). The loop of ``tests/test_auto_cuda.py``: each step draws a length
+weights, batch 1). The loop of ``tests/activations/auto/test_auto_cuda.py``: each step draws a length
 from ``--min``..``--max`` (``--seed``); a step without offloading takes the shape's first
 step (kernel selection, allocator growth), then one step with the default offloader
 (``"auto"``), one with ``offload_layers=1`` (the least offloading moves) and two without
