@@ -12,7 +12,8 @@ import torch
 __all__ = ["warn_at_caller"]
 
 _SKIP = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    # the package's folder (this module is in offload/_core/)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 
