@@ -36,7 +36,16 @@ if TYPE_CHECKING:
     from offload.activations._saves import _Bucket
     from offload.stats import OffloadStats
 
-__all__ = ["CLOSED", "OPEN", "RELEASED", "Group", "GroupLife", "GroupState"]
+__all__ = [
+    "CLOSED",
+    "OPEN",
+    "RELEASED",
+    "Group",
+    "GroupLife",
+    "GroupState",
+    "ManualPhase",
+    "Reload",
+]
 
 _nbytes = _placement.kept_bytes
 
@@ -46,17 +55,54 @@ class GroupState(enum.IntEnum):
     its layer runs, ``CLOSED`` when its D2H copies are issued, ``RELEASED`` once its
     device references are dropped (after the wait on its D2H event). Each transition
     happens once; a group released while open (the end of the forward, an abort)
-    counts as closed. The backward side is ``reloaded`` (buffers held now) and
-    ``dropped`` (its backward ended at least once): a retained graph reloads again."""
+    counts as closed. The backward side is :class:`Reload`, the manual caller's side
+    :class:`ManualPhase`: one state field per lifecycle, each written only by the
+    group's own transitions, which check where it stands (``_validate_state``)."""
 
     OPEN = 0
     CLOSED = 1
     RELEASED = 2
 
 
+class Reload(enum.Enum):
+    """Where a group's backward stands (Note [release order], 4-6): ``NONE`` before its
+    first reload, ``HELD`` while it holds its reloaded buffers, ``DROPPED`` once its
+    backward ended (buffers given up), ``HELD_AGAIN`` when a retained graph reloaded it
+    after that. ``reloaded``: ``HELD`` or ``HELD_AGAIN``; ``dropped`` (its backward
+    ended at least once): ``DROPPED`` or ``HELD_AGAIN``."""
+
+    NONE = 0
+    HELD = 1
+    DROPPED = 2
+    HELD_AGAIN = 3
+
+
+class ManualPhase(str, enum.Enum):
+    """Manual mode (``get_cpu_offload_context(manual_synchronization=True)``): which of
+    the caller's calls the group has had, in their only order; the value is what
+    ``ManualOffloadSynchronizer.state()`` returns."""
+
+    SAVED = "saved"
+    OFFLOAD_STARTED = "offload_started"
+    RELEASED = "released"
+    RELOAD_STARTED = "reload_started"
+
+
 # The members as module constants: the transitions read them at every layer call, and
 # reading a member off an enum class goes through its metaclass (a few plain lookups).
 OPEN, CLOSED, RELEASED = GroupState.OPEN, GroupState.CLOSED, GroupState.RELEASED
+_NONE, _HELD, _DROPPED, _HELD_AGAIN = Reload.NONE, Reload.HELD, Reload.DROPPED, Reload.HELD_AGAIN
+#: the backward state after a reload, and after a drop that gave up buffers or ended a
+#: first backward
+_AFTER_RELOAD = {_NONE: _HELD, _HELD: _HELD, _DROPPED: _HELD_AGAIN, _HELD_AGAIN: _HELD_AGAIN}
+_CAN_CLOSE = frozenset({OPEN})
+_CAN_RELEASE = frozenset({OPEN, CLOSED})
+#: the manual phase each of the caller's calls needs, and the one it leaves
+_MANUAL_STEPS = {
+    "start": (ManualPhase.SAVED, ManualPhase.OFFLOAD_STARTED),
+    "release": (ManualPhase.OFFLOAD_STARTED, ManualPhase.RELEASED),
+    "reload": (ManualPhase.RELEASED, ManualPhase.RELOAD_STARTED),
+}
 
 
 class Group:
@@ -65,9 +111,9 @@ class Group:
     __slots__ = (
         "copies",
         "d2h_done",
+        "backward",
         "deferred",
         "device_refs",
-        "dropped",
         "held",
         "index",
         "input_mark",
@@ -79,7 +125,6 @@ class Group:
         "module",
         "offload",
         "phase",
-        "reloaded",
         "state",
         "stats",
         "stream",
@@ -97,8 +142,7 @@ class Group:
         self.device_refs: list[tuple[torch.Tensor | None, int, HostCopy]] = []
         self.d2h_done: Any = None
         self.state = OPEN
-        self.reloaded = False
-        self.dropped = False  # its backward ended at least once
+        self.backward = _NONE
         self.live = 0  # live handles pointing at copies
         self.stats = LayerStats(index=index, offloaded=offload)
         self.layer: _placement.LayerState | None = None
@@ -113,8 +157,8 @@ class Group:
         #: manual mode: saves waiting for start_offload_layer: (weakref to the Held
         #: handle, span start, span end, base span or None, bytes counted not_selected)
         self.held: list[tuple[Any, int, int, tuple[int, int] | None, int]] = []
-        #: manual mode: "saved", "offload_started", "released", "reload_started"
-        self.phase = "saved"
+        #: manual mode: which of the caller's calls it has had
+        self.phase = ManualPhase.SAVED
         #: the step's first layer call: saves placed at its close (Note [release
         #: order], 1(c)): (handle, tensor, ready mark or None); None: placed at save
         self.deferred: list[tuple[Pending, torch.Tensor, Any]] | None = None
@@ -126,6 +170,71 @@ class Group:
     @property
     def released(self) -> bool:
         return self.state is RELEASED
+
+    @property
+    def reloaded(self) -> bool:
+        """It holds its reloaded buffers now."""
+        return self.backward is _HELD or self.backward is _HELD_AGAIN
+
+    @property
+    def dropped(self) -> bool:
+        """Its backward ended at least once."""
+        return self.backward is _DROPPED or self.backward is _HELD_AGAIN
+
+    # ---- transitions: each checks where the group stands, then moves it ---------------
+
+    def _validate_state(self, allowed: frozenset[GroupState], transition: str) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(
+                f"offload: layer call {self.index} cannot {transition} in state "
+                f"{self.state.name} (needs {' or '.join(sorted(s.name for s in allowed))}): "
+                f"an ordering error inside offload"
+            )
+
+    def close(self) -> None:
+        """The layer call ended (Note [release order], 2)."""
+        self._validate_state(_CAN_CLOSE, "close")
+        self.state = CLOSED
+
+    def release(self) -> bool:
+        """Mark the group released (Note [release order], 3): ``False`` when it was
+        already, and there is nothing to do."""
+        if self.state is RELEASED:
+            return False
+        self._validate_state(_CAN_RELEASE, "release")
+        self.state = RELEASED
+        return True
+
+    def abort(self) -> None:
+        """The forward raised: the device references are gone, whatever the state."""
+        self.device_refs.clear()
+        self.state = RELEASED
+
+    def reloaded_now(self) -> None:
+        """Its H2D copies are issued and it holds their buffers (Note [release order], 4)."""
+        self.backward = _AFTER_RELOAD[self.backward]
+
+    def drop(self) -> tuple[bool, bool]:
+        """Its backward is over (Note [release order], 6). Returns whether it held
+        buffers to give up, and whether this ends its first backward (a group with
+        copies): the step then has one group less to wait for."""
+        backward = self.backward
+        held = backward is _HELD or backward is _HELD_AGAIN
+        first = (backward is _NONE or backward is _HELD) and bool(self.copies)
+        if held or first:
+            self.backward = _DROPPED
+        return held, first
+
+    def manual(self, call: str) -> None:
+        """One of the caller's calls in manual mode (``start``, ``release``,
+        ``reload``): the caller's order was checked; this checks it again and moves on."""
+        needed, after = _MANUAL_STEPS[call]
+        if self.phase is not needed:
+            raise RuntimeError(
+                f"offload: layer call {self.index} cannot {call} in manual state "
+                f"{self.phase.value!r} (needs {needed.value!r}): an ordering error inside offload"
+            )
+        self.phase = after
 
 
 if TYPE_CHECKING:
@@ -183,9 +292,8 @@ class GroupLife(_LifeState):
 
     def _release(self, group: Group) -> None:
         """Drop a group's device references once its copies are done (lock held)."""
-        if group.state is RELEASED:
+        if not group.release():
             return
-        group.state = RELEASED
         if not group.device_refs:
             return
         self.backend.wait(group.stream, group.d2h_done, group.times)  # type: ignore[union-attr]
@@ -233,7 +341,7 @@ class GroupLife(_LifeState):
         with self.rt.lock:
             self.rt.drain()
             had_copies = bool(group.copies)
-            group.phase = "offload_started"
+            group.manual("start")
             held, group.held = group.held, []
             kept = group.stats.bytes_kept
             for ref, start, end, wide, nbytes in held:
@@ -271,14 +379,14 @@ class GroupLife(_LifeState):
         """``release_activation_forward_gpu_memory``: Note [release order], 3."""
         with self.rt.lock:
             self.rt.drain()
-            group.phase = "released"
+            group.manual("release")
             self._release(group)
 
     def manual_reload(self, group: Group) -> None:
         """``start_reload_layer``: Note [release order], 4."""
         with self.rt.lock:
             self.rt.drain()
-            group.phase = "reload_started"
+            group.manual("reload")
             if not group.reloaded:
                 self._reload(group)
 
@@ -324,7 +432,7 @@ class GroupLife(_LifeState):
             self.stats.bytes_reloaded += reloaded
             if event is not None and self.recording.fenced:
                 self.rt.pool.h2d_fence = event
-        group.reloaded = True
+        group.reloaded_now()
 
     def reloaded_buffer(self, handle: Offloaded) -> torch.Tensor:
         """The reloaded bytes of ``handle``'s copy, safe to read on the current stream
@@ -366,8 +474,8 @@ class GroupLife(_LifeState):
 
     def _drop(self, group: Group) -> None:
         """A group's backward is over: give up its reloaded buffers (lock held)."""
-        if group.reloaded:
-            group.reloaded = False
+        held, first = group.drop()
+        if held:
             for copy in group.copies.values():
                 copy.holders -= 1
                 if copy.holders <= 0:
@@ -383,8 +491,7 @@ class GroupLife(_LifeState):
             for copy in self.groups[nxt].copies.values():
                 if copy.late and copy.holders == 0:
                     self._drop_buffer(copy, reuse=True)
-        if not group.dropped and group.copies:
-            group.dropped = True
+        if first:
             self.awaiting -= 1
             if self.awaiting <= 0 and self.forward_done:
                 self._backward_over()

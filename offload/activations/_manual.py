@@ -255,10 +255,10 @@ class ManualOffloadSynchronizer:
                 f"call it after the layer's `with` block"
             )
         needed, meaning = _PHASE_NEEDED[what]
-        if group.phase != needed:
+        if group.phase.value != needed:
             raise RuntimeError(
                 f"{what}({layer_id}) out of order: layer {layer_id} of forward {forward} is "
-                f"in state {group.phase!r}; this call needs {needed!r} ({meaning}). Order "
+                f"in state {group.phase.value!r}; this call needs {needed!r} ({meaning}). Order "
                 f"per layer: start_offload_layer, release_activation_forward_gpu_memory, "
                 f"start_reload_layer, once each"
             )
@@ -275,7 +275,7 @@ class ManualOffloadSynchronizer:
             return "over"
         if not 0 <= layer_id < len(step.groups):
             return "not_run"
-        return step.groups[layer_id].phase
+        return step.groups[layer_id].phase.value
 
     def stats(self, forward: int | None = None) -> OffloadStats:
         """The :class:`OffloadStats` of a forward (default: the latest one started)."""

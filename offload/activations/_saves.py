@@ -18,6 +18,7 @@ from offload._core import _compress, _packing
 from offload._core._host_pool import HostBlock
 from offload._core._runtime import thread_state
 from offload._core._transfer import HostCopy
+from offload.activations._group import ManualPhase
 from offload.activations._handles import (
     Gathered,
     Kept,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["Saves"]
 
 _nbytes = _placement.kept_bytes
+_SAVED = ManualPhase.SAVED
 
 #: D2H copies issued together (Note [release order], 1): one wait on the compute stream
 #: and one stream switch per batch instead of per saved tensor; a batch is also issued
@@ -306,7 +308,7 @@ class Saves(_SavesState):
             if self.watch is not None:
                 self.watch.count(group.index, storage._cdata, size)
             return self._keep("not_selected", group, t)
-        if self.holds_saves and group.phase == "saved":
+        if self.holds_saves and group.phase is _SAVED:
             # the held alias will have no _base: take the base's span now
             return self._hold(t, group, start, end, _base_span(t))
         return self._copy(t, group, storage, start, end, None, contiguous, version)

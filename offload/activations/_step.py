@@ -103,7 +103,7 @@ from offload._core._device import Backend
 from offload._core._runtime import Runtime
 from offload._core._transfer import HostCopy
 from offload.activations._buffers import ReloadBuffers
-from offload.activations._group import CLOSED, OPEN, RELEASED, Group, GroupLife
+from offload.activations._group import OPEN, RELEASED, Group, GroupLife
 from offload.activations._handles import (
     Offloaded,
     Pending,
@@ -312,7 +312,7 @@ class Step(Saves, GroupLife):
             if group is None:
                 return
             self.open = None
-            group.state = CLOSED
+            group.close()
             last = group.offload and group.index == self.plan.num_groups - 1
             releases = self.recording.releases_at_close or (last and self.trigger.releases_at_end)
             mark = None if releases else self._late_mark(group)
@@ -456,8 +456,7 @@ class Step(Saves, GroupLife):
                     if group.device_refs:
                         self.backend.wait(group.stream, done)
             for group in self.groups:
-                group.device_refs.clear()
-                group.state = RELEASED
+                group.abort()
             every: list[list[Any]] = [*self.storages.values(), self.all_buckets]
             for copies in every:
                 for copy in copies:
