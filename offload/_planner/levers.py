@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload._core._kept import Kept, Raw, unpack_hook
 from offload._recompute._reentrant import check_recompute, recompute
+from offload.activations._control import current_pack
 
 __all__ = [
     "DEFAULT_LEVERS",
@@ -301,10 +302,11 @@ class Recompute:
         kept outputs go to the offloader's current step under ``selective_offload``
         inside its context; otherwise (``selective``, ``selective_offload_inputs``) they
         stay on the device (``offload._core._kept.Kept``)."""
-        step = None
+        pack = None
         if self.lever == "selective_offload" and self.offloader is not None:
-            step = self.offloader._step
-        pack = step.pack if step is not None else Kept
+            pack = current_pack(self.offloader)
+        if pack is None:
+            pack = Kept
         storage: dict[Any, Any] = {}
         return KeepOutputs(pack, storage, self.kept), RecomputeFromKept(storage, self.kept)
 

@@ -1,22 +1,25 @@
 """Measure what offloading saves on the user's own model: :func:`profile_step`, which
 returns a :class:`~offload.MemoryProfile` (data: ``_data.py`` beside this module).
 
-Every access to private state of :class:`~offload.ActivationOffloader` is in
-:class:`_Internals`, so that a rename there needs one change here.
+It reaches the offloader's private state only through
+``offload/activations/_control.py``, the control the activation package gives the tools
+that measure it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from offload._core import _measure
-from offload.profiling._data import MemoryProfile, OffloadStats, Timeline
+from offload.activations._control import Internals
+from offload.profiling._data import MemoryProfile, Timeline
 from offload.profiling._timeline import record_timeline
+from offload.stats import OffloadStats
 
 __all__ = ["MemoryProfile", "profile_step"]
 
@@ -29,76 +32,6 @@ _NO_BACKWARD = (
     "was computed): profile_step measures forward + backward, so step_fn must call "
     "backward (e.g. loss.backward()) after the forward it runs inside `with offloader:`"
 )
-
-
-class _Internals:
-    """The profiler's view of an offloader's private state.
-
-    * :attr:`layers`: the registered layer modules, in order;
-    * :meth:`timing_on`: the offloader's own settings plus ``timing=True`` for the
-      steps made meanwhile (see its docstring);
-    * :meth:`disabled`: ``with offloader:`` does nothing at all meanwhile;
-    * :meth:`last_step` and :meth:`copy_records`: the most recent forward and its
-      timing records.
-    """
-
-    def __init__(self, offloader: Any) -> None:
-        from offload.activations import ActivationOffloader
-
-        if not isinstance(offloader, ActivationOffloader):
-            raise TypeError(
-                f"offloader must be an offload.ActivationOffloader; got {type(offloader).__name__}"
-            )
-        self.off = offloader
-        self.layers: list[torch.nn.Module] = list(offloader._layers)
-
-    @contextlib.contextmanager
-    def timing_on(self) -> Iterator[None]:
-        """Steps made meanwhile record copy and stall times.
-
-        The config is frozen and never changed: a step reads the config of its
-        offloader's runtime when it is made, so the runtime (and the offloader, whose
-        ``config`` the user reads) gets ``dataclasses.replace(config, timing=True)``
-        for the duration, and its own config back afterwards. The step an offloader
-        prepares at the end of a forward for the next one was made with the config of
-        that moment, so it is dropped at both ends: the first timed step and the user's
-        next step after the profile are made with the config in force.
-        """
-        off = self.off
-        old = off.config
-        timed = dataclasses.replace(old, timing=True)
-        off._next = None
-        off.config = off._runtime.config = timed
-        try:
-            yield
-        finally:
-            off.config = off._runtime.config = old
-            off._next = None
-
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[Callable[[], int]]:
-        """``with offloader:`` is a no-op meanwhile (no hooks at all); yields a callable
-        returning how many times the context was entered."""
-        off = self.off
-        old = off._disabled, off._disabled_entries
-        off._disabled, off._disabled_entries = True, 0
-        try:
-            yield lambda: off._disabled_entries
-        finally:
-            off._disabled, off._disabled_entries = old
-
-    def last_step(self) -> Any:
-        """The object of the most recent forward (compared by identity only)."""
-        return self.off._last
-
-    def copy_records(self) -> list[tuple[int, tuple[Any, ...]]]:
-        """``[(group index, record), ...]`` of the most recent forward, each record
-        ``(kind, start_event, end_event)`` (CUDA) or ``(kind, seconds)`` (synchronous
-        path), ``kind`` in ``d2h``/``h2d``/``stall``."""
-        step = self.off._last
-        if step is None:
-            return []
-        return [(g.index, rec) for g in step.groups for rec in (g.times or ())]
 
 
 def _device_of(layers: list[torch.nn.Module]) -> torch.device:
@@ -188,7 +121,7 @@ class _Run:
         )
 
 
-def _without(run: _Run, inner: _Internals) -> tuple[_measure.StepTimes, int | None]:
+def _without(run: _Run, inner: Internals) -> tuple[_measure.StepTimes, int | None]:
     """The phase without offloading; on the CPU also what a step saves for backward."""
     with inner.disabled() as entries:
         times = run.phase("without")
@@ -200,7 +133,7 @@ def _without(run: _Run, inner: _Internals) -> tuple[_measure.StepTimes, int | No
         return times, _saved_bytes(run.step_fn, run.params)
 
 
-def _with(run: _Run, inner: _Internals) -> tuple[_measure.StepTimes, OffloadStats, Timeline]:
+def _with(run: _Run, inner: Internals) -> tuple[_measure.StepTimes, OffloadStats, Timeline]:
     """The phase with offloading (timed copies), then one step on a time axis."""
     with inner.timing_on():
         before = inner.last_step()
@@ -292,7 +225,7 @@ def profile_step(
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable; got {type(step_fn).__name__}")
-    inner = _Internals(offloader)
+    inner = Internals(offloader)
     _check_count("steps", steps, 1)
     _check_count("warmup", warmup, 0)
     device = _device_of(inner.layers)
