@@ -1079,7 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.compress is not None and not compress_supported():
         raise SystemExit(
             "offload.ActivationOffloader has no `compress` keyword in this checkout "
-            f"(offload/activations.py), so compress={args.compress!r} cannot be measured. "
+            f"(offload/activations/), so compress={args.compress!r} cannot be measured. "
             "Run with --compress none for a dry run of the script (every error is then 0)."
         )
     if device.type == "cuda":

@@ -1,5 +1,5 @@
 """A forward that offloads nothing tracks its first layer call only (Note [untracked
-calls] in ``offload/activations.py``): ``offload_layers=0``, and "auto" choosing no
+calls] in ``offload/activations/_layer_calls.py``): ``offload_layers=0``, and "auto" choosing no
 layer. Gradients stay bitwise equal to no offloading; the stats still list every call;
 a step that must offload after all hooks every layer again."""
 
