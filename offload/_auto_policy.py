@@ -233,7 +233,8 @@ class AutoPolicy:
         calls = off._calls if len(off._calls) == L else [None] * L
         recomputed: tuple[int, ...] = ()
         if k and k == chosen and not step.capture:
-            k, recomputed = self._recompute(off, sized, decision, cfg.prefetch_layers)
+            cold = all(p.cold for p in fam.model.points)
+            k, recomputed = self._recompute(off, sized, decision, cfg.prefetch_layers, cold)
             # a recomputed call measures its recompute, not its saves: not a probe
             probe = probe and not recomputed
         off._first_recomputed = 0 in recomputed
@@ -384,7 +385,12 @@ class AutoPolicy:
     # ---- deciding ----------------------------------------------------------------------
 
     def _recompute(
-        self, off: Any, sized: Sized, decision: _auto.AutoDecision, prefetch: int | None
+        self,
+        off: Any,
+        sized: Sized,
+        decision: _auto.AutoDecision,
+        prefetch: int | None,
+        cold: bool = False,
     ) -> tuple[int, tuple[int, ...]]:
         """The offloaded prefix and the calls run recomputed, their inputs offloaded
         (Note [recomputed calls]), where memory forces more offloading than the link
@@ -413,6 +419,11 @@ class AutoPolicy:
         inf = float("inf")
         offload_all = self._predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
         kb = min(decision.time_offloaded, host_k, L - 1)
+        if cold:
+            # costs from the first step only, whose one-time work makes copies look
+            # hidden: one layer offloaded until warm steps rescale them (as prepare's
+            # re-probe does where memory has room)
+            kb = min(kb, 1)
         with_recompute = self._predicted(sized, kb, d2h, h2d, prefetch) + sum(
             c.forward_s for c in costs[kb:]
         )
