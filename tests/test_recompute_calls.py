@@ -167,3 +167,18 @@ def test_offloaded_calls_hold_at_most_the_release_rules_bound_with_a_slow_link(
     for h in hooks:
         h.remove()
     off.close()
+
+
+def test_the_release_rule_counts_only_calls_that_are_not_recomputed() -> None:
+    from offload._plan import make_plan
+
+    # one call offloaded, five recomputed: the offloaded one is released and reloaded as
+    # if it were the only one (k = 1); each recomputed call's inputs leave at the next
+    # call and come back one call ahead of its backward
+    plan = make_plan(6, range(6), None, recomputed=range(1, 6))
+    assert plan.recomputed == frozenset(range(1, 6))
+    released = {g: r for r, gs in plan.release_at.items() for g in gs}
+    reloaded = {g: q for q, gs in plan.reload_at.items() for g in gs}
+    assert released == {0: 5, 1: 2, 2: 3, 3: 4, 4: 5}  # 5: at its own close
+    assert reloaded == {0: 4, 1: 2, 2: 3, 3: 4, 4: 5, 5: 5}
+    assert make_plan(6, range(1), None).release_at == {5: (0,)}
