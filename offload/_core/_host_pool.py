@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
 import threading
 from typing import Any
 
@@ -48,6 +49,14 @@ MAX_AHEAD_SLAB = 1 << 30
 #: Most typed views a slab caches (:meth:`HostBlock.typed`); the cache is emptied when
 #: full (shapes that change every step would otherwise grow it without end).
 MAX_CACHED_VIEWS = 8192
+
+
+#: Pinned bytes past which the pool says once that pinning slows the first steps.
+PINNING_NOTE_BYTES = 8 << 30
+_PINNING_NOTE = (
+    "offload: pinning more than {gib:.0f} GiB of host memory for the saves being offloaded "
+    "(one-time: page-locking runs at a few GB/s, so the first steps are slower than later ones)"
+)
 
 
 def default_host_limit() -> int:
@@ -161,6 +170,7 @@ class HostPool:
         ahead: bool = True,
     ) -> None:
         self.limit = default_host_limit() if limit is None else int(limit)
+        self._said_pinning = False
         self.pin = pin
         self.retain = retain
         self.ahead = ahead
@@ -263,6 +273,9 @@ class HostPool:
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError:  # the system refused the memory: behave as over budget
             return None
+        if pin and not self._said_pinning and self.reserved_bytes + size >= PINNING_NOTE_BYTES:
+            self._said_pinning = True
+            print(_PINNING_NOTE.format(gib=PINNING_NOTE_BYTES / 2**30), file=sys.stderr, flush=True)
         slab = _Slab(buffer, self._made)
         self._made += 1
         self._by_order[slab.order] = slab

@@ -15,8 +15,10 @@ as the module's instance attribute ``forward`` the first time it is needed, inac
 outside the offloader's context (a call then goes straight to the original forward)
 and removed by ``close()``. The checkpoint's recompute in the backward calls the
 original forward, outside the context, so no hook of ours runs there. A recomputed call
-belongs to the plan's offloaded groups: its inputs leave the device under the release
-rule of Note [release order] and come back one call ahead of its backward.
+belongs to the plan's offloaded groups: its inputs leave the device when the next call
+starts and come back one call ahead of its backward; the release rule of Note [release
+order] counts only the other offloaded groups (``offload.activations._schedule.make_plan``), so a
+recomputed call never makes them leave earlier than they would without it.
 """
 
 from __future__ import annotations

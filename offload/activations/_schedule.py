@@ -58,12 +58,25 @@ def make_plan(
     call ``max(s_j + 1, L - k + j)`` starts (never more than L - k groups resident, each
     kept as long as that allows) and reloaded when the backward of call
     ``min(L - 1, max(s_j + 1, L - 1 - k + j))`` starts, or of ``s_j + prefetch_layers``.
-    ``recomputed`` (a subset of ``offloaded``) run recomputed, their inputs offloaded.
+    ``recomputed`` (a subset of ``offloaded``) run recomputed, their inputs offloaded:
+    they hold only their inputs, so the rule counts the other offloaded groups alone
+    (k is their number, j their rank) and each recomputed group is released when the
+    next call starts and reloaded one call ahead of its backward.
     """
-    L, k = num_groups, len(offloaded)
+    L = num_groups
+    light = frozenset(recomputed)
+    rank = {s: j for j, s in enumerate(s for s in offloaded if s not in light)}
+    k = len(rank)
     release: dict[int, list[int]] = collections.defaultdict(list)
     reload: dict[int, list[int]] = collections.defaultdict(list)
-    for j, s in enumerate(offloaded):
+    for s in offloaded:
+        if s in light:  # only its inputs: out at the next call, back one call ahead
+            if s + 1 < L:
+                release[s + 1].append(s)
+            q = min(L - 1, s + (1 if prefetch_layers is None else prefetch_layers))
+            reload[q].append(s)
+            continue
+        j = rank[s]
         r = max(s + 1, L - k + j)
         if r < L:
             release[r].append(s)

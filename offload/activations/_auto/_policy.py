@@ -155,7 +155,11 @@ def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
 
 
 def _recompute_split(
-    off: Any, sized: Sized, decision: _auto.AutoDecision, prefetch: int | None
+    off: Any,
+    sized: Sized,
+    decision: _auto.AutoDecision,
+    prefetch: int | None,
+    cold: bool = False,
 ) -> tuple[int, tuple[int, ...]]:
     """The offloaded prefix and the calls run recomputed, their inputs offloaded
     (Note [recomputed calls]), where memory forces more offloading than the link
@@ -184,6 +188,11 @@ def _recompute_split(
     inf = float("inf")
     offload_all = _predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
     kb = min(decision.time_offloaded, host_k, L - 1)
+    if cold:
+        # costs from the first step only, whose one-time work makes copies look
+        # hidden: one layer offloaded until warm steps rescale them (as prepare's
+        # re-probe does where memory has room)
+        kb = min(kb, 1)
     with_recompute = _predicted(sized, kb, d2h, h2d, prefetch) + sum(
         c.forward_s for c in costs[kb:]
     )
@@ -332,7 +341,8 @@ class AutoPolicy:
         calls = off._calls if len(off._calls) == L else [None] * L
         recomputed: tuple[int, ...] = ()
         if k and k == chosen and not step.capture:
-            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers)
+            cold = all(p.cold for p in fam.model.points)
+            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers, cold)
             # a recomputed call measures its recompute, not its saves: not a probe
             probe = probe and not recomputed
         off._first_recomputed = 0 in recomputed

@@ -1,18 +1,19 @@
-"""Where the device memory of a big model at long context goes, layer by layer.
+"""A big model at long context: step time and activation peak against HF checkpointing.
 
-A Llama-3-8B-shaped model from a config (hidden 4096, ffn 14336, 32 heads, 8 KV heads,
-vocab 128256, SDPA, random weights; ``--layers`` of them), bf16 base frozen, PEFT LoRA
-r=16 on q/k/v/o, batch 1, loss from ``labels``. One configuration per process
-(``--method``): ``none``, ``all``, ``auto`` (the offloader's default), ``hf-ckpt``.
+A Llama-3-8B-shaped model from a config (hidden 4096, 32 layers, ffn 14336, 32 heads,
+8 KV heads, vocab 128256, SDPA, random weights), bf16 base frozen, PEFT LoRA r=16 on
+q/k/v/o, batch 1, loss from ``labels``; and HF Llama ~1.1B (``1b``: hidden 2048, 16
+layers, full fine-tune). One process per configuration (``--cases``, each
+``model:seq:method``; methods ``none``, ``hf-ckpt`` (non-reentrant), ``auto`` (the
+offloader's default over ``find_layers``), ``all``). Per configuration: every step's
+time and activation peak (the most allocated during the step above what was allocated
+before it), the median step after 3 warm-up steps, out of memory recorded as such, the
+offloader's summary; ``--history`` adds the live blocks at the step's peak by the frame
+that allocated them (``torch.cuda.memory._record_memory_history``), and every run the
+memory allocated at each layer boundary of its last step.
 
-Per step: time, activation peak (the most allocated during the step above what was
-allocated before it). On the last step: ``torch.cuda.memory_allocated`` at each layer
-boundary of the forward and at each layer's first gradient in the backward, and with
-``--history`` the live blocks at the step's peak grouped by the innermost frame of this
-package, transformers, peft or torch that allocated them (``_record_memory_history``).
-
-    PYTHONPATH=. python3 benchmarks/diagnostics/big_model_memory.py --method all \\
-        --layers 8 --seq 16384 --history --out /tmp/all.json
+    PYTHONPATH=. python3 benchmarks/activations/bench_big_model.py \
+        --out benchmarks/results/big_model_long_context.json
 """
 
 from __future__ import annotations
@@ -112,8 +113,75 @@ def live_at_peak(snapshot: dict[str, Any], base: int) -> dict[str, Any]:
     }
 
 
+DEFAULT_CASES = (
+    "8b:16384:hf-ckpt,8b:16384:auto:20,8b:16384:all,8b:32768:hf-ckpt,8b:32768:auto:20,"
+    "1b:16384:none:14,1b:16384:auto:14"
+)
+
+
+def parent(args: argparse.Namespace) -> int:
+    """Each case in a process of its own; one JSON and a table."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from benchmarks._common import environment
+
+    rows = []
+    for case in args.cases.split(","):
+        model, seq, method, *steps = case.split(":")
+        layers = 32 if model == "8b" else 16
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--model",
+                model,
+                "--method",
+                method,
+                "--layers",
+                str(layers),
+                "--seq",
+                seq,
+                "--steps",
+                steps[0] if steps else "8",
+                "--out",
+                out,
+            ]
+            subprocess.run(cmd, check=False, timeout=args.timeout)
+            row = json.load(open(out)) if os.path.exists(out) else {"case": case, "failed": True}
+        row["case"] = case
+        rows.append(row)
+    result = {"environment": environment(torch.device("cuda")), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    base = {
+        (r.get("model"), r.get("seq")): r for r in rows if r.get("method") in ("hf-ckpt", "none")
+    }
+    print(f"{'case':28} {'median ms':>10} {'vs base':>8} {'peak GiB':>9} {'steady':>7}  recomputed")
+    for r in rows:
+        b = base.get((r.get("model"), r.get("seq")), {})
+        ratio = (
+            r["median_ms"] / b["median_ms"] if r.get("median_ms") and b.get("median_ms") else None
+        )
+        steady = max((s["peak_gib"] for s in r.get("steps", [])[3:]), default=None)
+        print(
+            f"{r['case']:28} {r.get('median_ms', float('nan')):10.0f} "
+            f"{'oom' if r.get('oom') else (f'{ratio:.3f}' if ratio else '-'):>8} "
+            f"{r.get('peak_gib', float('nan')):9.2f} {steady if steady is None else round(steady, 2)!s:>7}  "
+            f"{len(r.get('recomputed', []))}"
+        )
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true", help="run one configuration (internal)")
+    p.add_argument("--cases", default=DEFAULT_CASES)
+    p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--method", default="all", choices=["none", "all", "auto", "hf-ckpt"])
     p.add_argument("--model", default="8b", choices=["8b", "1b"])
     p.add_argument("--layers", type=int, default=8)
@@ -122,6 +190,8 @@ def main() -> int:
     p.add_argument("--history", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if not args.worker:
+        return parent(args)
 
     model = build(args.layers, args.seq, args.model)
     if args.method == "hf-ckpt":
@@ -201,6 +271,7 @@ def main() -> int:
     if steps:
         tail = steps[3:] or steps[1:] or steps  # after the warm-up
         result["median_ms"] = statistics.median(x["ms"] for x in tail)
+        result["steps_run"] = len(steps)
         result["peak_gib"] = max(x["peak_gib"] for x in steps)
     if off is not None:
         st = off.stats
