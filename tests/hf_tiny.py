@@ -28,8 +28,10 @@ def tiny_llama(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    attn: str = "eager",
 ) -> nn.Module:
-    """A ``LlamaForCausalLM`` from a config with random weights (fp32 unless told)."""
+    """A ``LlamaForCausalLM`` from a config with random weights (fp32 unless told;
+    ``attn="sdpa"`` where long sequences make eager attention's scores the peak)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -42,7 +44,7 @@ def tiny_llama(
         max_position_embeddings=4096,
         attention_dropout=0.0,
         use_cache=False,
-        attn_implementation="eager",
+        attn_implementation=attn,
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).train()

@@ -382,7 +382,7 @@ def test_cuda_peak_drops_and_gradients_match() -> None:
     """bf16, vocab 32000, 4096 tokens: the plain step holds the fp32 logits (500 MiB)
     and their gradient; the sliced one a slice at a time."""
     plain = tiny_llama(
-        vocab=32000, hidden=256, ffn=512, layers=2, dtype=torch.bfloat16, device="cuda"
+        vocab=32000, hidden=256, ffn=512, layers=2, dtype=torch.bfloat16, device="cuda", attn="sdpa"
     )
     model = copy.deepcopy(plain)
     ids, labels = batch(32000, seq=4096, size=1, device="cuda")
