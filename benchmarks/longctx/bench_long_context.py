@@ -45,7 +45,9 @@ over the measured steps), the host RSS high-water mark (psutil, sampled every 20
 or ``oom`` (``torch.OutOfMemoryError``, the worker exits 0), ``killed`` (a signal: on a
 host out of memory the kernel kills the process), ``timeout`` or ``error``.
 ``--longest`` doubles the length from 16,384 (3 steps, no warm-up) until a method
-fails or passes ``--max-seq``. Prints a table; ``--out`` writes every row as JSON.
+fails or passes ``--max-seq``. Prints a table; ``--out`` is rewritten after every
+configuration, so a run cut short keeps the rows it finished. Where a device limits
+each command's time, split the run with ``--models``, ``--methods`` and ``--seqs``.
 """
 
 from __future__ import annotations
@@ -488,7 +490,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--longest", action="store_true", help="double the length until OOM")
     p.add_argument("--max-seq", type=int, default=131072, help="--longest stops here")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     p.add_argument("--quick", action="store_true", help="tiny models (CPU smoke run)")
     p.add_argument("--out", default=None)
     # the child's arguments
@@ -520,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in models:
             for method in methods:
                 rows.append(longest(args, model, method))
+                results("long_context_longest", args, rows)
         print(longest_table(rows))
     else:
         for model in models:
@@ -527,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 for method in methods:
                     rows.append(spawn(args, model, method, seq, args.warmup, args.steps))
                     print(_line(rows[-1]), flush=True)
+                    results("long_context", args, rows)  # a cut-off run keeps its rows
         print(table(rows))
     results("long_context_longest" if args.longest else "long_context", args, rows)
     return 0
