@@ -18,6 +18,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 from offload._recompute._head import auto_slice_tokens
@@ -371,6 +372,48 @@ def test_hf_model_that_skips_loss_function_raises() -> None:
         model(input_ids=ids, labels=labels)
     handle.remove()
     assert model.forward is own_loss_forward  # the instance's own forward comes back
+
+
+class _LargestWithLastDim(TorchDispatchMode):
+    """Records the most elements of any op output whose last dimension is ``width``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.most = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.width:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_hf_never_forms_the_full_logits() -> None:
+    """No tensor of the step, forward or backward, holds more than one slice of logits
+    (the plain step holds all of them: 2 x 64 rows)."""
+    plain, model = _pair(vocab=997)
+    ids, labels = batch(997, seq=64)
+    with _LargestWithLastDim(997) as seen:
+        step(plain, ids, labels)
+    assert seen.most == 2 * 64 * 997
+    # 40 rows a slice: more than the head weight's transposed view (hidden 32 x vocab)
+    offload.sliced_head_loss(model, slice_tokens=40)
+    with _LargestWithLastDim(997) as seen:
+        step(model, ids, labels)
+    assert seen.most == 40 * 997
+
+
+def test_hf_forward_signature_kept() -> None:
+    """Trainer reads ``model.forward``'s signature (``**kwargs`` means it passes
+    ``num_items_in_batch``): the wrapper shows the original's."""
+    import inspect
+
+    model = tiny_llama()
+    before = inspect.signature(model.forward)
+    handle = offload.sliced_head_loss(model)
+    assert inspect.signature(model.forward) == before
+    handle.remove()
 
 
 # ---- CUDA ------------------------------------------------------------------------------

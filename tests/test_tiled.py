@@ -205,6 +205,23 @@ def test_hf_peft_lora_in_the_mlp() -> None:
     assert_grads_close(got, want)
 
 
+def test_hf_mlp_intermediates_one_tile_at_a_time() -> None:
+    """No tensor of the step holds more than one tile of MLP intermediates (ffn wide)."""
+    from tests.test_head_loss import _LargestWithLastDim
+
+    plain = tiny_llama(ffn=72)
+    model = copy.deepcopy(plain)
+    ids, labels = batch(96, seq=64, size=1)
+    with _LargestWithLastDim(72) as seen:
+        step(plain, ids, labels)
+    assert seen.most == 64 * 72
+    # 40 positions a tile: more than the down projection's weight (hidden 32 x ffn)
+    offload.tile_mlp(model, tile_tokens=40)
+    with _LargestWithLastDim(72) as seen:
+        step(model, ids, labels)
+    assert seen.most == 40 * 72
+
+
 # ---- CUDA ------------------------------------------------------------------------------
 
 
