@@ -416,6 +416,40 @@ def test_hf_forward_signature_kept() -> None:
     handle.remove()
 
 
+def test_hf_trainer_with_gradient_accumulation(tmp_path) -> None:
+    """``Trainer`` passes ``num_items_in_batch`` under gradient accumulation: two
+    optimizer steps of 2 x 2 sequences with labels partly masked land on the plain
+    run's weights."""
+    pytest.importorskip("accelerate")
+    ids, labels = batch(96, seq=24, size=8)
+    data = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+
+    def train(model, name):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            optim="sgd",  # Adam would amplify rounding in near-zero gradients
+            learning_rate=0.1,
+            lr_scheduler_type="constant",
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
+        transformers.Trainer(model=model, args=args, train_dataset=data).train()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    plain, model = _pair()
+    want = train(plain, "plain")
+    handle = offload.sliced_head_loss(model, slice_tokens=10)
+    got = train(model, "sliced")
+    assert handle.calls == 4
+    assert_grads_close(got, want)
+
+
 # ---- CUDA ------------------------------------------------------------------------------
 
 
