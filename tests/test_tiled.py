@@ -101,6 +101,17 @@ def test_other_calls_run_unchanged() -> None:
     assert calls[-3:] == [(1, 4, 3), (1, 4, 3), (1, 2, 3)]
 
 
+def test_module_returning_a_tuple_raises() -> None:
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x.sum()
+
+    module = Pair()
+    offload.tile_mlp([module], tile_tokens=4)
+    with pytest.raises(TypeError, match="returns one tensor; Pair returned tuple"):
+        module(torch.ones(1, 10, 3, requires_grad=True))
+
+
 def test_errors_name_the_argument() -> None:
     mlp = _mlp()
     for bad in (0, -1, True, 2.5, "half"):
@@ -137,6 +148,33 @@ def test_hf_llama_fp32(tile_tokens) -> None:
     handle.remove()
     loss, again, _ = step(model, ids, labels)
     assert torch.equal(loss, want_loss) and all(torch.equal(again[k], want[k]) for k in want)
+
+
+def test_hf_mixtral_moe_block() -> None:
+    """Mixtral's sparse MoE block routes each token on its own: tiling it is exact too
+    (batch 2: its tiles are strided views, made contiguous for its .view())."""
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    plain = transformers.MixtralForCausalLM(config).train()
+    model = copy.deepcopy(plain)
+    ids, labels = batch(96)
+    want_loss, want, _ = step(plain, ids, labels)
+    handle = offload.tile_mlp(model, tile_tokens=8)
+    loss, got, _ = step(model, ids, labels)
+    assert handle.calls == 2
+    assert_close(loss, want_loss, what="loss")
+    assert_grads_close(got, want)
 
 
 def test_hf_llama_bf16() -> None:

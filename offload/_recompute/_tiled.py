@@ -37,6 +37,18 @@ def _device_states(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return cpu, None
 
 
+def _concat(parts: list[Any], dim: int, fn: Callable[..., Any]) -> torch.Tensor:
+    """The tiles' outputs joined along the sequence; a module that returns something
+    other than one tensor (an MoE block's router logits beside it) cannot be tiled."""
+    if not all(isinstance(p, torch.Tensor) for p in parts):
+        owner = getattr(fn, "__self__", fn)
+        raise TypeError(
+            f"tile_mlp tiles modules whose forward returns one tensor; "
+            f"{type(owner).__name__} returned {type(parts[0]).__name__}"
+        )
+    return torch.cat(parts, dim)
+
+
 class _TiledCall(torch.autograd.Function):
     """``fn`` over tiles of the sequence: forward without a graph, backward by tile."""
 
@@ -59,7 +71,7 @@ class _TiledCall(torch.autograd.Function):
         )
         ctx.save_for_backward(x)
         with torch.no_grad():
-            out = torch.cat([fn(part) for part in x.split(tile, dim)], dim)
+            out = _concat([fn(part.contiguous()) for part in x.split(tile, dim)], dim, fn)
         return out
 
     @staticmethod
@@ -81,7 +93,9 @@ class _TiledCall(torch.autograd.Function):
                 torch.cuda.set_rng_state(dev_state, x.device)
             offset = 0
             for part, g in zip(x.split(ctx.tile, ctx.dim), grad_out.split(ctx.tile, ctx.dim)):
-                leaf = part.detach().requires_grad_(need_x)
+                # contiguous as in the forward (a tile of a batch > 1 is a strided view,
+                # which modules that .view() their input reject)
+                leaf = part.detach().contiguous().requires_grad_(need_x)
                 with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=enabled):
                     out = ctx.fn(leaf)
                 wrt = ([leaf] if need_x else []) + params
@@ -112,7 +126,8 @@ def _tiled_forward(
         params = [p for p in module.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():  # tiles cut the peak without a graph too
-                return torch.cat([original(part) for part in x.split(tile, dim)], dim)
+                parts = [original(part.contiguous()) for part in x.split(tile, dim)]
+                return _concat(parts, dim, original)
         handle.calls += 1
         return _TiledCall.apply(original, tile, dim, x, *params)
 
