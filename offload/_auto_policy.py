@@ -438,8 +438,9 @@ class AutoPolicy:
                 f"exceeds {mem.limit / 2**30:.2f} GiB (the limit less {MEMORY_MARGIN:.0%}) "
                 f"even with {L - kb} of {L} layer calls recomputed and their inputs "
                 "offloaded: what remains is outside the layers (the head and the loss, the "
-                "weights and their gradients). Compute the loss in slices or offload "
-                "weights (offload.WeightOffloader) to fit.",
+                "weights and their gradients). Compute the head and the loss in slices "
+                "(offload.sliced_head_loss) or offload weights (offload.WeightOffloader) "
+                "to fit.",
             )
         return kb, tuple(range(kb, L))
 

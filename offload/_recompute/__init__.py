@@ -1,0 +1,1 @@
+"""Recompute levers for long sequences: the LM head and loss in slices, sequence-tiled blocks."""
