@@ -19,7 +19,8 @@ Example:
     >>> offloader.close()
 
 Also: ``attach`` (loops you do not own), ``WeightOffloader``, ``checkpoint``, ``plan``,
-``compress="fp8"``, ``make_graphed_callables``, ``get_cpu_offload_context``
+``compress="fp8"``, ``sliced_head_loss`` and ``tile_mlp`` (long sequences),
+``make_graphed_callables``, ``get_cpu_offload_context``
 (TransformerEngine's API), ``profile_step``, and the ``offload`` command. Importing the
 package touches no CUDA state: no streams, events or pinned memory are created until the
 first forward that offloads something.
@@ -36,6 +37,8 @@ from offload._recompute._checkpoint import (
     checkpoint,
     checkpoint_stats,
 )
+from offload._recompute._head import SlicedHeadHandle, sliced_cross_entropy, sliced_head_loss
+from offload._recompute._tiled import TiledHandle, tile_mlp
 from offload.activations import ActivationOffloader, no_offload
 from offload.activations._attach import AttachHandle
 from offload.activations._graphs import make_graphed_callables
@@ -86,4 +89,10 @@ __all__ = [
     "PlanCosts",
     "LEVERS",
     "DEFAULT_LEVERS",
+    # long sequences: the LM head and loss in slices, sequence-tiled MLPs
+    "sliced_head_loss",
+    "SlicedHeadHandle",
+    "sliced_cross_entropy",
+    "tile_mlp",
+    "TiledHandle",
 ]

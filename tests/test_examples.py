@@ -190,6 +190,11 @@ def test_weights_example() -> None:
         ("planner.py", ["--device", "cpu", "--steps", "2"], ["bitwise equal: True"]),
         ("cuda_graphs.py", [], ["CUDA graphs need a CUDA device"]),
         (
+            "long_context.py",
+            ["--steps", "2", "--device", "cpu"],
+            ["[levers] step 1: loss", "gradients within tolerance: True"],
+        ),
+        (
             "te_pipeline.py",
             ["--device", "cpu"],
             ["micro-batch 1: bytes sent", "gradients bitwise equal to no offloading: True"],

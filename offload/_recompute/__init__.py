@@ -1,1 +1,1 @@
-"""Recompute: offloaded checkpointing, its calls, and reentrant recompute."""
+"""Recompute: offloaded checkpointing and its calls, reentrant recompute, the head and loss in slices, tiled blocks."""

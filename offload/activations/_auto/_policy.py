@@ -160,13 +160,15 @@ def _recompute_split(
     decision: _auto.AutoDecision,
     prefetch: int | None,
     cold: bool = False,
+    mem: Memory | None = None,
 ) -> tuple[int, tuple[int, ...]]:
     """The offloaded prefix and the calls run recomputed, their inputs offloaded
     (Note [recomputed calls]), where memory forces more offloading than the link
     hides or the host budget holds: offloading the memory floor's prefix (host
     permitting), or the prefix the link hides (within the host budget) with every
     later call recomputed, whichever is predicted faster. Otherwise the choice as
-    it is, and nothing recomputed."""
+    it is, and nothing recomputed. A predicted peak past the memory limit even so
+    is said once, with what remains (the head and loss, the weights)."""
     costs = sized.est.costs
     L, k = len(costs), len(decision.offloaded)
     room = off._runtime.pool.limit * (1.0 - MEMORY_MARGIN)
@@ -198,6 +200,17 @@ def _recompute_split(
     )
     if offload_all <= with_recompute:
         return k, ()
+    if mem is not None and mem.peak_all > mem.limit:
+        off._warn_once(
+            "recompute_short",
+            f"device memory: the step's predicted peak, {mem.peak_all / 2**30:.2f} GiB, "
+            f"exceeds {mem.limit / 2**30:.2f} GiB (the limit less {MEMORY_MARGIN:.0%}) "
+            f"even with {L - kb} of {L} layer calls recomputed and their inputs "
+            "offloaded: what remains is outside the layers (the head and the loss, the "
+            "weights and their gradients). Compute the head and the loss in slices "
+            "(offload.sliced_head_loss) or offload weights (offload.WeightOffloader) "
+            "to fit.",
+        )
     return kb, tuple(range(kb, L))
 
 
@@ -342,7 +355,7 @@ class AutoPolicy:
         recomputed: tuple[int, ...] = ()
         if k and k == chosen and not step.capture:
             cold = all(p.cold for p in fam.model.points)
-            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers, cold)
+            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers, cold, mem)
             # a recomputed call measures its recompute, not its saves: not a probe
             probe = probe and not recomputed
         off._first_recomputed = 0 in recomputed

@@ -736,3 +736,22 @@ def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> Non
     for r in runs[1:]:
         if r["backoff"] < 0:  # every step up ran a choice predicted within reach
             assert r["predicted_ratio"] <= reach, r
+
+
+def test_memory_short_even_with_every_call_recomputed_is_said_once() -> None:
+    # the head, loss and weights alone exceed the limit: recomputing every layer call
+    # cannot fit; one warning says what remains and which levers reach it
+    L = 4
+    layers, ref = _model(L)
+    freed = _released(layers, 16)
+    base, act = 50 << 20, 3 * max(freed)
+    memory = FakeMemory(int(base + act / 2), base, lambda n: act, lambda n: freed)
+    costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
+    meter = FakeMeter(lambda n: costs, freed[0] / 4e-3, memory=memory)
+    off = _auto_offloader(layers, meter)
+    with pytest.warns(UserWarning, match="outside the layers") as caught:
+        for _ in range(4):
+            auto = _run(layers, ref, off, 16)  # bitwise equal to no offloading
+    assert auto["recomputed"], auto
+    assert sum("outside the layers" in str(w.message) for w in caught) == 1
+    off.close()

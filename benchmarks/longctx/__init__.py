@@ -1,0 +1,1 @@
+"""Long context on one GPU: the head and tiling levers against the tools users pick."""

@@ -1,0 +1,540 @@
+"""Long-context training on one GPU: step time, tokens/s, activation peak, host memory
+and the longest sequence, for this package's levers and the tools users pick instead.
+
+Commands (from the repository root)::
+
+    # 16k and 32k tokens, every method, both models (one process each)
+    PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --out benchmarks/results/long_context.json
+    # a cheaper first look: one model, a few methods, 16k
+    PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --models llama-8b-lora \\
+        --methods hf-ckpt,ours-ckpt,ours-ckpt-head,ours-ckpt-head-tile --seqs 16384 --out /tmp/lc.json
+    # the longest sequence each method trains (3 steps), doubling from 16k
+    PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --longest --max-seq 131072 --out /tmp/longest.json
+    # CPU smoke run (tiny models; what tests/test_bench_long_context.py runs)
+    PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --quick --device cpu --out /tmp/q.json
+
+Models (Hugging Face ``LlamaForCausalLM`` from a config, random weights, SDPA, batch 1,
+loss = the model's causal LM loss with ``labels=input_ids``):
+
+- ``llama-1b``: hidden 2048, 16 layers, 32 heads, 4 KV heads, ffn 5632, vocab 32000;
+  bf16 weights, every parameter trained.
+- ``llama-8b-lora``: hidden 4096, 32 layers, 32 heads, 8 KV heads, ffn 14336, vocab
+  128256; bf16 frozen base, PEFT LoRA r=16 (alpha 32) on q/k/v/o_proj.
+
+Methods: ``none``; ``hf-ckpt`` (``gradient_checkpointing_enable(gradient_checkpointing_
+kwargs={"use_reentrant": False})``); ``hf-ckpt-offload`` (the same with
+``offload=True``, where the installed transformers has it); ``ours-default``
+(``ActivationOffloader(find_layers(model))``, "auto"); ``ours-ckpt``
+(``offload_checkpointing``); ``ours-ckpt-head`` (+ ``sliced_head_loss``);
+``ours-ckpt-head-tile`` (+ ``tile_mlp``); peers, when importable: ``trl-offload`` and
+``trl-offload-ckpt`` (TRL's ``get_act_offloading_ctx_manager`` entered around forward
+and backward, as its trainer does, without and with HF checkpointing),
+``deepspeed-ckpt-offload`` (``CheckpointHiddenStatesOffload`` around forward and
+backward + HF checkpointing), ``unsloth-zoo`` and ``unsloth-zoo-nofused``
+(``patch_unsloth_smart_gradient_checkpointing`` + HF reentrant checkpointing, with
+``UNSLOTH_FUSED_FORWARD`` 1 and 0). A peer that is not installed is recorded as skipped
+with the reason; the peer adapters follow each package's documented entry point and have
+not been run on the CPU machine this script was written on.
+
+One process per configuration: the parent runs ``python3 <this script> --worker ...``
+for each (model, method, length) and reads back its JSON. Per configuration: the median
+step time (forward + backward, gradients zeroed between steps, not freed) of
+``--steps`` steps after ``--warmup``, tokens/s, the activation peak
+(``max_memory_allocated`` during a step minus what was allocated before it, the largest
+over the measured steps), the host RSS high-water mark (psutil, sampled every 20 ms),
+or ``oom`` (``torch.OutOfMemoryError``, the worker exits 0), ``killed`` (a signal: on a
+host out of memory the kernel kills the process), ``timeout`` or ``error``.
+``--longest`` doubles the length from 16,384 (3 steps, no warm-up) until a method
+fails or passes ``--max-seq``. Prints a table; ``--out`` is rewritten after every
+configuration, so a run cut short keeps the rows it finished. Where a device limits
+each command's time, split the run with ``--models``, ``--methods`` and ``--seqs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+GIB = 1024**3
+MODELS = ("llama-1b", "llama-8b-lora")
+METHODS = (
+    "none",
+    "hf-ckpt",
+    "hf-ckpt-offload",
+    "ours-default",
+    "ours-ckpt",
+    "ours-ckpt-head",
+    "ours-ckpt-head-tile",
+    "trl-offload",
+    "trl-offload-ckpt",
+    "deepspeed-ckpt-offload",
+    "unsloth-zoo",
+    "unsloth-zoo-nofused",
+)
+#: The package each peer method needs (checked in the parent: no process is started
+#: for a method whose package is missing).
+PEER_PACKAGES = {
+    "trl-offload": "trl",
+    "trl-offload-ckpt": "trl",
+    "deepspeed-ckpt-offload": "deepspeed",
+    "unsloth-zoo": "unsloth_zoo",
+    "unsloth-zoo-nofused": "unsloth_zoo",
+}
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+    "llama-8b-lora": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}  # fmt: skip
+#: ``--quick``: the same kinds of model at a size a CPU trains in a fraction of a second.
+QUICK_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+LONGEST_START, QUICK_START = 16384, 64
+
+
+# ---- the worker: one configuration in this process ----------------------------------------
+
+
+def build_model(name: str, seq: int, device: torch.device, quick: bool) -> torch.nn.Module:
+    """The model ``name`` on ``device`` (bf16 on CUDA, fp32 on the CPU), training mode.
+
+    Raises:
+        ImportError: ``llama-8b-lora`` without ``peft``.
+    """
+    import transformers
+
+    shape = dict(QUICK_SHAPE if quick else SHAPES[name])
+    config = transformers.LlamaConfig(
+        **shape, max_position_embeddings=max(seq, 4096), use_cache=False, attention_dropout=0.0
+    )
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in place on the device, in its dtype
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    if name == "llama-8b-lora":
+        import peft
+
+        model.requires_grad_(False)
+        lora = peft.LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            task_type="CAUSAL_LM",
+        )
+        model = peft.get_peft_model(model, lora)
+    return model.train()
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``LlamaForCausalLM`` (inside a PEFT wrapper or not)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("ForCausalLM"):
+            return module
+    raise TypeError(f"no *ForCausalLM in {type(model).__name__}")
+
+
+def _hf_checkpointing(causal: torch.nn.Module, reentrant: bool = False, **extra: Any) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # renamed in transformers 5.x
+        causal.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}, **extra
+        )
+    if reentrant and not causal.get_input_embeddings().weight.requires_grad:
+        causal.enable_input_require_grads()  # reentrant checkpointing needs a grad input
+
+
+def hf_offload_supported() -> bool:
+    """Whether transformers' checkpointing takes ``offload=True``."""
+    from transformers import PreTrainedModel
+
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        fn = getattr(PreTrainedModel, name, None)
+        if fn is not None and "offload" in inspect.signature(fn).parameters:
+            return True
+    return False
+
+
+def apply_method(
+    method: str, model: torch.nn.Module, quick: bool = False
+) -> tuple[Callable[[], Any], bool, dict]:
+    """Set ``method`` up on ``model`` (``quick``: tiles of 16 tokens, so that the tiny
+    sequences of ``--quick`` are tiled).
+
+    Returns:
+        ``(context, around_backward, info)``: a factory of the context each step's
+        forward runs in, whether the backward runs inside it too, and facts for the row.
+
+    Raises:
+        NotImplementedError: the method cannot run here (the reason is the message).
+    """
+    import offload
+    from offload.integrations.hf import offload_checkpointing
+
+    causal = causal_lm(model)
+    info: dict[str, Any] = {}
+    if method == "none":
+        return contextlib.nullcontext, False, info
+    if method == "hf-ckpt":
+        _hf_checkpointing(causal)
+        return contextlib.nullcontext, False, info
+    if method == "hf-ckpt-offload":
+        if not hf_offload_supported():
+            raise NotImplementedError(
+                "this transformers has no gradient checkpointing offload=True"
+            )
+        _hf_checkpointing(causal, offload=True)
+        return contextlib.nullcontext, False, info
+    if method == "ours-default":
+        offloader = offload.ActivationOffloader(offload.find_layers(causal))
+        info["offloader"] = offloader
+        return lambda: offloader, False, info
+    if method.startswith("ours-ckpt"):
+        offload_checkpointing(causal)
+        if "head" in method:
+            offload.sliced_head_loss(model)
+        if "tile" in method:
+            offload.tile_mlp(causal, tile_tokens=16 if quick else "auto")
+        return contextlib.nullcontext, False, info
+    if method.startswith("trl-offload"):
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        if method == "trl-offload-ckpt":
+            _hf_checkpointing(causal)
+        return lambda: get_act_offloading_ctx_manager(model), True, info
+    if method == "deepspeed-ckpt-offload":
+        from deepspeed.runtime.activation_checkpointing.offload_activations import (
+            CheckpointHiddenStatesOffload,
+        )
+
+        _hf_checkpointing(causal)
+        return CheckpointHiddenStatesOffload, True, info
+    if method.startswith("unsloth-zoo"):
+        # Read when unsloth_zoo is imported: its fused LM-head loss is on unless "0".
+        os.environ["UNSLOTH_FUSED_FORWARD"] = "0" if method.endswith("nofused") else "1"
+        os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
+        from unsloth_zoo.gradient_checkpointing import patch_unsloth_smart_gradient_checkpointing
+
+        patch_unsloth_smart_gradient_checkpointing(dtype=next(causal.parameters()).dtype)
+        _hf_checkpointing(causal, reentrant=True)
+        return contextlib.nullcontext, False, info
+    raise NotImplementedError(f"unknown method {method!r}")
+
+
+@contextlib.contextmanager
+def host_high_water() -> Iterator[dict[str, float]]:
+    """Samples this process's RSS every 20 ms; ``result["peak_gib"]`` on exit."""
+    import psutil
+
+    proc, result, stop = psutil.Process(), {"peak_gib": 0.0}, threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            result["peak_gib"] = max(result["peak_gib"], proc.memory_info().rss / GIB)
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["peak_gib"] = max(result["peak_gib"], proc.memory_info().rss / GIB)
+
+
+def measure(model, ids, device, context, around_backward, args, settled=None) -> dict[str, Any]:
+    """``args.warmup`` steps (more, up to 20, while ``settled()`` is false: "auto"'s own
+    measuring steps), then ``args.steps`` timed forward + backward steps."""
+    cuda = device.type == "cuda"
+
+    def one_step() -> tuple[float, int | None, float]:
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        with context():
+            loss = model(input_ids=ids, labels=ids).loss
+            if around_backward:
+                loss.backward()
+        if not around_backward:
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - start) * 1e3
+        model.zero_grad(set_to_none=False)  # kept allocated: the peak is above them
+        peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
+        return elapsed, peak, loss.item()
+
+    warm = 0
+    while warm < args.warmup or (settled is not None and not settled() and warm < args.warmup + 20):
+        one_step()
+        warm += 1
+    runs = [one_step() for _ in range(args.steps)]
+    times = sorted(r[0] for r in runs)
+    mid = len(times) // 2
+    median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    peaks = [r[1] for r in runs if r[1] is not None]
+    return {
+        "step_ms": median,
+        "step_ms_all": [r[0] for r in runs],
+        "activation_peak_gib": max(peaks) / GIB if peaks else None,
+        "loss": runs[-1][2],
+        "warmup_steps_run": warm,
+    }
+
+
+def _auto_settled(offloader: Any) -> bool:
+    """Whether "auto" has made its choice (``stats.auto`` stays ``None`` where it is not
+    on, such as on a CPU)."""
+    return (offloader.stats.auto or {"phase": "settled"}).get("phase") == "settled"
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration; every outcome is a row (never raises on OOM)."""
+    device = torch.device(args.device)
+    row: dict[str, Any] = {"model": args.model, "method": args.method, "seq": args.seq}
+    with host_high_water() as host:
+        try:
+            model = build_model(args.model, args.seq, device, args.quick)
+            context, around_backward, info = apply_method(args.method, model, args.quick)
+            vocab = causal_lm(model).config.vocab_size
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, vocab, (1, args.seq), generator=g).to(device)
+            offloader = info.get("offloader")
+            settled = None if offloader is None else functools.partial(_auto_settled, offloader)
+            result = measure(model, ids, device, context, around_backward, args, settled)
+            row.update(result, status="ok", tokens_per_s=args.seq / (result["step_ms"] / 1e3))
+            if offloader is not None:
+                auto = offloader.stats.auto or {}
+                row.update(bytes_offloaded=offloader.stats.bytes_offloaded,
+                           auto_phase=auto.get("phase"), auto_chosen=str(auto.get("chosen")))  # fmt: skip
+        except torch.OutOfMemoryError as exc:
+            row.update(status="oom", reason=str(exc).split("\n")[0][:300])
+        except (ImportError, NotImplementedError) as exc:
+            row.update(status="skipped", reason=f"{type(exc).__name__}: {exc}"[:300])
+        except RuntimeError as exc:
+            if "out of memory" not in str(exc).lower():  # cuBLAS/cuDNN allocation failures
+                raise
+            row.update(status="oom", reason=str(exc).split("\n")[0][:300])
+    row["host_peak_gib"] = host["peak_gib"]
+    if device.type == "cuda":
+        row["device_name"] = torch.cuda.get_device_name(device)
+    return row
+
+
+# ---- the parent: one process per configuration ------------------------------------------
+
+
+def peer_missing(method: str, device: torch.device) -> str | None:
+    """Why ``method`` cannot run in this environment, or ``None``."""
+    package = PEER_PACKAGES.get(method)
+    if package and importlib.util.find_spec(package) is None:
+        return f"{package} is not installed"
+    if method == "hf-ckpt-offload" and not hf_offload_supported():
+        return "the installed transformers has no gradient checkpointing offload=True"
+    if method == "hf-ckpt-offload" and device.type != "cuda":
+        return "its save_on_cpu(pin_memory=True) needs an accelerator"
+    return None
+
+
+def spawn(
+    args: argparse.Namespace, model: str, method: str, seq: int, warmup: int, steps: int
+) -> dict:
+    """Run one configuration in a child process; its row, or a row saying how it ended."""
+    row: dict[str, Any] = {"model": model, "method": method, "seq": seq}
+    reason = peer_missing(method, torch.device(args.device))
+    if reason:
+        return {**row, "status": "skipped", "reason": reason}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
+               "--method", method, "--seq", str(seq), "--warmup", str(warmup),
+               "--steps", str(steps), "--device", args.device, "--result", result]  # fmt: skip
+        if args.quick:
+            cmd.append("--quick")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        )
+        try:
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "timeout", "reason": f"over {args.timeout} s"}
+        if os.path.exists(result):
+            with open(result) as f:
+                return json.load(f)
+    if proc.returncode < 0:
+        return {**row, "status": "killed", "reason": f"signal {-proc.returncode} (host memory?)"}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {**row, "status": "error", "reason": " | ".join(tail)[-400:]}
+
+
+def longest(args, model: str, method: str) -> dict[str, Any]:
+    """Double the length until ``method`` fails or passes ``--max-seq``."""
+    seq, best, tried = (QUICK_START if args.quick else LONGEST_START), None, []
+    while seq <= args.max_seq:
+        row = spawn(args, model, method, seq, warmup=0, steps=3)
+        tried.append(row)
+        print(_line(row), flush=True)
+        if row["status"] != "ok":
+            break
+        best, seq = row, seq * 2
+    last = tried[-1] if tried else {}
+    stopped = "max-seq" if last.get("status") == "ok" else last.get("status")
+    return {
+        "model": model,
+        "method": method,
+        "longest_seq": best["seq"] if best else None,
+        "tokens_per_s_at_longest": best["tokens_per_s"] if best else None,
+        "activation_peak_gib_at_longest": best.get("activation_peak_gib") if best else None,
+        "host_peak_gib_at_longest": best.get("host_peak_gib") if best else None,
+        "stopped_by": stopped,
+        "reason": last.get("reason"),
+        "tried": tried,
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _line(row: dict[str, Any]) -> str:
+    if row.get("status") != "ok":
+        return f"{row['model']:14} {row['method']:24} {row['seq']:>7}  {row['status']}: {row.get('reason', '')}"
+    return (
+        f"{row['model']:14} {row['method']:24} {row['seq']:>7}  {row['step_ms']:9.1f} ms "
+        f"{row['tokens_per_s']:9.0f} tok/s  act {_fmt(row.get('activation_peak_gib'), '.2f')} GiB"
+        f"  host {row['host_peak_gib']:.1f} GiB"
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one line per configuration, step time relative to ``none``."""
+    base = {
+        (r["model"], r["seq"]): r["step_ms"]
+        for r in rows
+        if r["method"] == "none" and r["status"] == "ok"
+    }
+    out = ["| model | method | seq | step ms | x none | tokens/s | activation peak GiB | host peak GiB | status |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        ok = r["status"] == "ok"
+        ratio = base.get((r["model"], r["seq"])) if ok else None
+        out.append(
+            f"| {r['model']} | {r['method']} | {r['seq']} | {_fmt(r.get('step_ms') if ok else None, '.1f')} "
+            f"| {_fmt(r['step_ms'] / ratio if ratio else None, '.2f')} "
+            f"| {_fmt(r.get('tokens_per_s') if ok else None, '.0f')} "
+            f"| {_fmt(r.get('activation_peak_gib'), '.2f')} | {_fmt(r.get('host_peak_gib'), '.1f')} "
+            f"| {r['status'] if ok else r['status'] + ': ' + str(r.get('reason', ''))[:80]} |"
+        )
+    return "\n".join(out)
+
+
+def longest_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: the longest sequence per (model, method) and what stopped it."""
+    out = ["| model | method | longest seq | tokens/s there | activation peak GiB | host peak GiB | stopped by |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['method']} | {_fmt(r['longest_seq'], 'd')} "
+            f"| {_fmt(r['tokens_per_s_at_longest'], '.0f')} | {_fmt(r['activation_peak_gib_at_longest'], '.2f')} "
+            f"| {_fmt(r['host_peak_gib_at_longest'], '.1f')} | {r['stopped_by']} |"
+        )
+    return "\n".join(out)
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"{flag}: unknown {bad or 'empty'}; accepted: {', '.join(known)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seqs", default=None, help="default 16384,32768 (--quick: 64)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--longest", action="store_true", help="double the length until OOM")
+    p.add_argument("--max-seq", type=int, default=131072, help="--longest stops here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    p.add_argument("--quick", action="store_true", help="tiny models (CPU smoke run)")
+    p.add_argument("--out", default=None)
+    # the child's arguments
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0; got {args.steps}, {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        row = worker(args)
+        with open(args.result, "w") as f:
+            json.dump(row, f)
+        return 0
+    from benchmarks._common import results
+
+    models = _names(args.models, MODELS, "--models")
+    methods = _names(args.methods, METHODS, "--methods")
+    seqs = [int(s) for s in (args.seqs or ("64" if args.quick else "16384,32768")).split(",")]
+    rows: list[dict[str, Any]] = []
+    if args.longest:
+        for model in models:
+            for method in methods:
+                rows.append(longest(args, model, method))
+                results("long_context_longest", args, rows)
+        print(longest_table(rows))
+    else:
+        for model in models:
+            for seq in seqs:
+                for method in methods:
+                    rows.append(spawn(args, model, method, seq, args.warmup, args.steps))
+                    print(_line(rows[-1]), flush=True)
+                    results("long_context", args, rows)  # a cut-off run keeps its rows
+        print(table(rows))
+    results("long_context_longest" if args.longest else "long_context", args, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
