@@ -10,7 +10,7 @@ Commands (from the repository root)::
         --methods hf-ckpt,ours-ckpt,ours-ckpt-head,ours-ckpt-head-tile --seqs 16384 --out /tmp/lc.json
     # the longest sequence each method trains (3 steps), doubling from 16k
     PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --longest --max-seq 131072 --out /tmp/longest.json
-    # CPU smoke run (tiny models; what tests/test_bench_long_context.py runs)
+    # CPU smoke run (tiny models; what tests/recompute/test_bench_long_context.py runs)
     PYTHONPATH=. python3 benchmarks/longctx/bench_long_context.py --quick --device cpu --out /tmp/q.json
 
 Models (Hugging Face ``LlamaForCausalLM`` from a config, random weights, SDPA, batch 1,

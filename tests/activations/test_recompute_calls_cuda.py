@@ -2,7 +2,7 @@
 budget run recomputed with their inputs offloaded, gradients bitwise equal to the same
 model without offloading (deterministic algorithms), the step's activation peak far
 below the same model's without offloading. Run on the GPU with
-``PYTHONPATH=. python3 -m pytest -m cuda tests/test_recompute_calls_cuda.py``."""
+``PYTHONPATH=. python3 -m pytest -m cuda tests/activations/test_recompute_calls_cuda.py``."""
 
 from __future__ import annotations
 

@@ -245,7 +245,7 @@ def test_hf_peft_lora_in_the_mlp() -> None:
 
 def test_hf_mlp_intermediates_one_tile_at_a_time() -> None:
     """No tensor of the step holds more than one tile of MLP intermediates (ffn wide)."""
-    from tests.test_head_loss import _LargestWithLastDim
+    from tests.recompute.test_head_loss import _LargestWithLastDim
 
     plain = tiny_llama(ffn=72)
     model = copy.deepcopy(plain)
