@@ -66,7 +66,6 @@ from offload.activations._auto._fit import (
     Point,
     ShapeModel,
     point_values,
-    sizes,
     steady,
     warm_up,
 )
@@ -78,6 +77,7 @@ from offload.activations._auto._probe import (
     StepWatch,
     meter_for,
 )
+from offload.activations._auto._steps import describe, predicted, step_stats
 from offload.activations._schedule import plan_forward
 
 __all__ = [
@@ -188,16 +188,14 @@ def _recompute_split(
             return host_k, ()
     d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
     inf = float("inf")
-    offload_all = _predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
+    offload_all = predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
     kb = min(decision.time_offloaded, host_k, L - 1)
     if cold:
         # costs from the first step only, whose one-time work makes copies look
         # hidden: one layer offloaded until warm steps rescale them (as prepare's
         # re-probe does where memory has room)
         kb = min(kb, 1)
-    with_recompute = _predicted(sized, kb, d2h, h2d, prefetch) + sum(
-        c.forward_s for c in costs[kb:]
-    )
+    with_recompute = predicted(sized, kb, d2h, h2d, prefetch) + sum(c.forward_s for c in costs[kb:])
     if offload_all <= with_recompute:
         return k, ()
     if mem is not None and mem.peak_all > mem.limit:
@@ -212,68 +210,6 @@ def _recompute_split(
             "to fit.",
         )
     return kb, tuple(range(kb, L))
-
-
-def _predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
-    """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
-    got = sized.predicted.get(k)
-    if got is None:
-        est = sized.est
-        got = sized.predicted[k] = _auto.predict_step(
-            est.costs, range(k), d2h, h2d, prefetch, est.gap_s
-        )
-    return got
-
-
-def _step_stats(
-    fam: Family,
-    record: StepRecord,
-    decision: _auto.AutoDecision,
-    est: Estimate,
-    mem: Memory | None,
-    state: dict[str, int],
-) -> dict[str, Any]:
-    """What ``OffloadStats.auto`` says of one decided step (``state``: the policy's sizes)."""
-    run = record.run
-    out: dict[str, Any] = {
-        "phase": fam.phase.value,
-        "step": run.value,
-        "offloaded": list(range(record.offloaded)),
-        "chosen": list(decision.offloaded),
-        "tokens": record.tokens,
-        "exact": est.exact,
-        "scale": fam.scale,
-        "measured_ratio": fam.measured_ratio,
-        # the costs come from the offloader's first (cold) step alone
-        "cold": fam.model is not None and all(p.cold for p in fam.model.points),
-        "verification": fam.note,
-        "memory": None if mem is None else mem.to_dict(),
-        "state": state,
-    }
-    if run is Run.NONE and decision.offloaded:
-        out["reason"] = (
-            f"verifying: this step runs without offloading, in alternation with the "
-            f"choice ({decision.reason})"
-        )
-    elif run is Run.PROBE:
-        out["reason"] = f"measuring this size again at the choice's plan: {decision.reason}"
-    return out
-
-
-def describe(inputs: Any) -> tuple[Any, int, int, torch.device] | None:
-    """``(family key, tokens, quad, device)`` of the first layer call's inputs; ``None``
-    when they hold no tensor."""
-    args, kwargs = inputs
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return None
-    first = tensors[0]
-    key = (
-        tuple((t.dim(), t.dtype, t.device) for t in tensors),
-        int(first.shape[-1]) if first.dim() else 0,
-    )
-    n, q = sizes(tuple(first.shape))
-    return key, n, q, first.device
 
 
 class AutoPolicy:
@@ -386,7 +322,7 @@ class AutoPolicy:
             forced=decision.memory_reason is not None,
             exact=est.exact,
             generation=fam.generation,
-            predicted_s=_predicted(sized, k, d2h, h2d, cfg.prefetch_layers)
+            predicted_s=predicted(sized, k, d2h, h2d, cfg.prefetch_layers)
             + sum(est.costs[i].forward_s for i in recomputed),
             next_ratio=decision.next_ratio,
             predicted_peak=None
@@ -403,7 +339,7 @@ class AutoPolicy:
             tight = mem is not None and (mem.floor > 0 or mem.peak > 0.8 * mem.limit)
             self._watch(off, step, record, meter, device, probe, tight)
         out = dict(stats)
-        out.update(_step_stats(fam, record, decision, est, mem, self.state_size()))
+        out.update(step_stats(fam, record, decision, est, mem, self.state_size()))
         if recomputed:
             out["recomputed"] = list(recomputed)
             out["reason"] = (
