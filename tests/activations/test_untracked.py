@@ -192,7 +192,10 @@ def test_auto_choosing_no_layer_runs_untracked_and_offloads_again_when_memory_ne
     memory.limit = int((base + act + sum(freed[need : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN))
     hooked = _run(layers, ref, off)
     auto = off.stats.auto
-    assert len(auto["offloaded"]) >= need and auto["memory_reason"], auto
+    # memory's need met by offloading, or (the link hides no layer) by recomputing the
+    # calls past the link's choice with their inputs offloaded (Note [recomputed calls])
+    met = len(auto["offloaded"]) + len(auto.get("recomputed", []))
+    assert met >= need and auto["memory_reason"], auto
     assert off.stats.bytes_offloaded > 0
     assert all(hooked)
     off.close()
