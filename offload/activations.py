@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from offload import _attach, _context, _device
+from offload import _attach, _context, _device, _dynamo
 from offload._attach import AttachHandle, LayerHooks
 from offload._auto_policy import AutoPolicy
 from offload._diagnose import CallOrder
@@ -40,6 +41,13 @@ _NOT_CALLED = (
     "offloader:`, so nothing was offloaded. Pass the modules the forward calls (for a "
     "Hugging Face model, offload.find_layers(model)), and run the forward inside the "
     "`with` block."
+)
+
+#: added to _NOT_CALLED once dynamo has compiled something
+_NOT_CALLED_COMPILED = (
+    " Layers wrapped by torch.compile(layer) and run before the offloader first hooked "
+    "them call their compiled code without its hooks: give the offloader the wrappers "
+    "(docs/compile.md)."
 )
 
 
@@ -290,7 +298,10 @@ class ActivationOffloader(LayerCalls):
                 # depends only on _calls (set by _end_forward) and the frozen config.
                 self._next = self._make_step()
                 if self._groups_this_entry == 0 and not self._layer_hooks.partial:
-                    self._warn_once("not_called", _NOT_CALLED.format(n=len(self._layers)))
+                    message = _NOT_CALLED.format(n=len(self._layers))
+                    if "torch._dynamo.eval_frame" in sys.modules:
+                        message += _NOT_CALLED_COMPILED
+                    self._warn_once("not_called", message)
             else:
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
@@ -541,6 +552,11 @@ def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
         f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
         f"offloading but no bytes were offloaded; {why}."
     )
+
+
+# the pack hook: never a frame for dynamo, whatever the order of compiled plain and
+# offloaded steps (offload/_dynamo.py)
+_dynamo.opaque(ActivationOffloader._pack)
 
 
 class no_offload(contextlib.ContextDecorator):
