@@ -101,8 +101,8 @@ class ActivationOffloader(LayerCalls):
             group for a later group with the same span sizes, when nothing references
             them any more (else fresh buffers: never corrupt, only lose the reuse).
             Spares are freed when the backward of the forward ends. Default ``False``:
-            PyTorch's caching allocator already recycles those blocks (README,
-            "Double buffering", has the measurement).
+            PyTorch's caching allocator already recycles those blocks
+            (docs/performance.md, "Double buffering", has the measurement).
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps a tensor on the
             device (reason ``filtered``). Default ``None``.
         timing: record CUDA-event times of every copy and of every wait of the compute

@@ -25,7 +25,7 @@ from offload._planner.levers import LEVERS, OFFLOADED
 from offload._planner.plan import Plan
 from offload._planner.recompute import RECOMPUTES
 from offload._planner.search import optimize
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 MIB = 1 << 20
 
