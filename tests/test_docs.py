@@ -1,7 +1,9 @@
 """The code in the documentation runs as written.
 
 * README.md: its first Python snippet (the first example a reader tries), on the CPU and,
-  on a CUDA machine, on the GPU.
+  on a CUDA machine, on the GPU; and every call of its "What to use" table, each on a
+  small model made for it (a call whose arguments are elided, ``f(...)``, and a bare
+  name: the name resolves).
 * docs/*.md: every ```python block of a page, in order, in one namespace per page (a
   page's later blocks use what its first ones made). A block preceded by the line
   ``<!-- gpu-only -->`` runs only in the GPU variant of the test.
@@ -13,6 +15,7 @@ there), with the repository root on ``PYTHONPATH``; the CPU variant hides the GP
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -135,6 +138,113 @@ def test_readme_first_snippet_runs_on_cpu(tmp_path: Path) -> None:
 def test_readme_first_snippet_runs_on_gpu(tmp_path: Path) -> None:
     out = run_blocks([_readme_first_block()], tmp_path, cuda=True)
     assert re.search(r"offloaded [1-9][\d.]* MiB", out), out
+
+
+def readme_table_calls() -> list[str]:
+    """The code of the "use" column of the README's "What to use" table: every span
+    in backticks that is Python naming ``offload`` or a call (keywords such as
+    ``compress="fp8"`` and commands such as ``offload profile`` are not calls)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## What to use", 1)[1].split("\n## ", 1)[0]
+    spans = []
+    for row in section.splitlines():
+        cells = row.split("|")
+        if len(cells) < 4 or set(cells[2].strip()) <= set("-"):
+            continue
+        for span in re.findall(r"`([^`]+)`", cells[2]):
+            try:
+                tree = ast.parse(span)
+            except SyntaxError:
+                continue  # `with offloader:`, a shell command
+            calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+            if calls or span.startswith("offload."):
+                spans.append(span)
+    return spans
+
+
+# Runs each call of the README table on a small model of its own (argv[1]: the calls as
+# JSON); a planner call without CUDA must stop at the documented refusal.
+_TABLE_RUNNER = """
+import ast, contextlib, json, sys, traceback
+import torch
+import offload
+from offload.models import ReferenceModel
+
+
+def fresh(code):
+    torch.manual_seed(0)
+    ns = {"torch": torch, "offload": offload}
+    if ".hf." in code:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        )
+        ns["model"] = transformers.LlamaForCausalLM(config).train()
+        return ns
+    model = ReferenceModel(layers=3, hidden=64, heads=2, ffn=128)
+    layers = offload.find_layers(model)
+    x = torch.randn(2, 16, 64)
+    offloader = offload.ActivationOffloader(layers, min_tensor_bytes=0)
+
+    def step():  # profile_step's step enters the offloader; plan's does not
+        with offloader if "profile_step" in code else contextlib.nullcontext():
+            loss = model.loss(x)
+        loss.backward()
+
+    ns.update(model=model, layers=layers, layer=layers[0], fn=layers[0], step=step,
+              offloader=offloader, x=x.requires_grad_(True))
+    return ns
+
+
+ran = 0
+for code in json.load(open(sys.argv[1])):
+    nodes = list(ast.walk(ast.parse(code)))
+    elided = any(isinstance(n, ast.Constant) and n.value is Ellipsis for n in nodes)
+    try:
+        ns = fresh(code)
+        if elided or not any(isinstance(n, ast.Call) for n in nodes):
+            name = code.split("(")[0]
+            assert eval(name, ns) is not None, name  # the name resolves
+            continue
+        try:
+            exec(code, ns)
+        except RuntimeError as e:
+            refusal = code.startswith("offload.plan(") and "needs a CUDA device" in str(e)
+            if not refusal or torch.cuda.is_available():
+                raise
+        ran += 1
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED: the README table's call {code!r}", file=sys.stderr)
+        sys.exit(1)
+print(f"ran {ran} call(s)")
+"""
+
+
+def test_readme_table_calls_run_as_written(tmp_path: Path) -> None:
+    calls = readme_table_calls()
+    # the table names the planner as DESIGN does: offload.plan(step_fn, layers, *, budget)
+    assert "offload.plan(step, layers, budget=0.5)" in calls, calls
+    assert len(calls) >= 12, calls
+    if importlib.util.find_spec("transformers") is None:
+        calls = [c for c in calls if ".hf." not in c]
+    spec = tmp_path / "calls.json"
+    spec.write_text(json.dumps(calls))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TABLE_RUNNER, str(spec)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert "ran " in proc.stdout
 
 
 # ---- docs/ ----------------------------------------------------------------------------
