@@ -255,6 +255,10 @@ class ActivationOffloader(LayerCalls):
             if step.plan.offloaded and not any(g.stats.bytes_offloaded for g in step.groups):
                 message = _nothing_offloaded(step, self._saved_elsewhere)
                 self._warn_once("nothing_offloaded", message)
+            elif self.config.compress is not None and "compress" not in self._warned:
+                message = _nothing_compressed(step, self.config)
+                if message is not None:
+                    self._warn_once("compress", message)
 
     def __enter__(self) -> ActivationOffloader:
         if self._disabled:
@@ -521,6 +525,25 @@ def _check_layers(layers: Any, config: OffloadConfig) -> list[torch.nn.Module]:
             "offload_layers=1 to offload that one layer."
         )
     return layers
+
+
+def _nothing_compressed(step: Step, config: OffloadConfig) -> str | None:
+    """Why ``compress`` compressed none of the bytes ``step`` offloaded (a warning's
+    text), or ``None`` when it compressed some, nothing was offloaded, or a
+    ``compress_filter`` chose (its choice, even of nothing, is the caller's)."""
+    stats = step.stats
+    if config.compress_filter is not None or stats.compress_bytes_before:
+        return None
+    if not any(g.stats.bytes_offloaded for g in step.groups):
+        return None
+    sent = ", ".join(sorted(stats.bytes_by_dtype)) or "none"
+    return (
+        f"offload: compress={config.compress!r} compressed nothing in this forward: "
+        f"without a compress_filter it compresses bfloat16 and float16 tensors only, "
+        f"and every offloaded tensor was sent exactly (dtypes: {sent}). Run the layers "
+        f"in bfloat16 or float16 (or under autocast), pass compress_filter=lambda t: "
+        f"True to compress float32 too, or drop compress."
+    )
 
 
 def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:

@@ -196,7 +196,8 @@ def test_attached_offloader_under_a_compiled_model_is_bitwise() -> None:
         return models.step(model, x, lambda m, h: m(h))
 
     want = run()
-    handle = off.attach(model)
+    with pytest.warns(UserWarning, match="compiled as a whole"):  # not covered: it says so
+        handle = off.attach(model)
     got = run()
     assert_same(got, want)
     assert off.stats.bytes_offloaded > 0
@@ -307,4 +308,39 @@ def test_originals_of_wrappers_that_ran_plain_first_warn_naming_the_page() -> No
         with off:
             y = _plain(calls, x)
     y.sum().backward()
+    off.close()
+
+
+@pytest.mark.parametrize("form", ["method", "wrapper", "attach_wrapper"])
+def test_attached_offloader_on_a_model_compiled_whole_warns_once_naming_the_page(
+    form: str,
+) -> None:
+    """Whole-model compile is not covered (it offloads less than eager): attaching to a
+    compiled model, or compiling an attached one, says so once, naming docs/compile.md."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)))
+    off = offload.ActivationOffloader(list(model), offload_layers="all", min_tensor_bytes=0)
+    x = torch.randn(4, 64)
+    match = r"compiled as a whole.*docs/compile\.md"
+    if form == "attach_wrapper":  # attached to the wrapper torch.compile returns
+        call = torch.compile(model, backend="aot_eager")
+        with pytest.warns(UserWarning, match=match):
+            handle = off.attach(call)
+    else:  # attached first, the model compiled afterwards
+        handle = off.attach(model)
+        if form == "method":
+            model.compile(backend="aot_eager")
+            call = model
+        else:
+            call = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            call(x).sum().backward()
+    ours = [w for w in record if "compiled as a whole" in str(w.message)]
+    assert len(ours) == (0 if form == "attach_wrapper" else 1), [str(w.message) for w in record]
+    if ours:
+        assert "docs/compile.md" in str(ours[0].message)
+    handle.remove()
     off.close()
