@@ -303,7 +303,7 @@ class ActivationOffloader(LayerCalls):
                 self._next = self._make_step()
                 if self._groups_this_entry == 0 and not self._layer_hooks.partial:
                     message = _NOT_CALLED.format(n=len(self._layers))
-                    if "torch._dynamo.eval_frame" in sys.modules:
+                    if _dynamo_compiled_something():
                         message += _NOT_CALLED_COMPILED
                     self._warn_once("not_called", message)
             else:
@@ -525,6 +525,12 @@ def _check_layers(layers: Any, config: OffloadConfig) -> list[torch.nn.Module]:
             "offload_layers=1 to offload that one layer."
         )
     return layers
+
+
+def _dynamo_compiled_something() -> bool:
+    """Whether dynamo compiled a frame in this process (without importing it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and bool(utils.counters["frames"].get("ok"))
 
 
 def _nothing_compressed(step: Step, config: OffloadConfig) -> str | None:
