@@ -8,9 +8,11 @@
   page's later blocks use what its first ones made). A block preceded by the line
   ``<!-- gpu-only -->`` runs only in the GPU variant of the test.
 
-Each page runs in a subprocess from a temporary directory (files a block writes land
-there), with the repository root on ``PYTHONPATH``; the CPU variant hides the GPUs
-(``CUDA_VISIBLE_DEVICES=""``).
+Each page runs from a temporary directory of its own (files a block writes land there),
+with the repository root on ``PYTHONPATH``: on the CPU every page in one subprocess
+(each page in a fresh namespace, one after the other: the interpreter and torch start
+once), which hides the GPUs (``CUDA_VISIBLE_DEVICES=""``); on the GPU one subprocess per
+page.
 """
 
 from __future__ import annotations
@@ -84,6 +86,17 @@ def _missing_packages(block: dict) -> list[str]:
     return sorted(name for name in used if importlib.util.find_spec(name) is None)
 
 
+def _env(cuda: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def run_blocks(blocks: list[dict], tmp_path: Path, *, cuda: bool) -> str:
     """Run ``blocks`` in one subprocess; fail with its output unless it exits with 0.
 
@@ -96,17 +109,10 @@ def run_blocks(blocks: list[dict], tmp_path: Path, *, cuda: bool) -> str:
     blocks = runnable
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(blocks))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "2")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(spec)],
         cwd=tmp_path,
-        env=env,
+        env=_env(cuda),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -263,12 +269,74 @@ def test_docs_have_python_blocks_and_marks_only_before_them() -> None:
                 )
 
 
+# Runs the pages of argv[1] ({page: blocks}), each in a fresh namespace and a folder of
+# its own, in one process; writes {page: {"ok", "output"}} to argv[2].
+_PAGES_RUNNER = """
+import contextlib, io, json, os, sys, traceback
+pages = json.load(open(sys.argv[1]))
+results = {}
+root = os.getcwd()
+for page, blocks in pages.items():
+    folder = os.path.join(root, page.replace("/", "_"))
+    os.makedirs(folder)
+    os.chdir(folder)
+    out = io.StringIO()
+    namespace = {"__name__": "__main__"}
+    ok = True
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        for block in blocks:
+            try:
+                exec(compile(block["code"], f"{page}:{block['line']}", "exec"), namespace)
+            except BaseException:
+                traceback.print_exc()
+                print(f"FAILED: the block of {page} at line {block['line']}")
+                ok = False
+                break
+    os.chdir(root)
+    results[page] = {"ok": ok, "output": out.getvalue()}
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def _cpu_blocks(page: Path) -> list[dict]:
+    """The blocks of ``page`` the CPU test runs: not GPU-only, packages installed."""
+    blocks = [b for b in python_blocks(page) if not b["gpu_only"]]
+    return [b for b in blocks if not _missing_packages(b)]
+
+
+@pytest.fixture(scope="module")
+def cpu_pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every page's CPU blocks run in one subprocess (torch imported once, not once per
+    page): per page, whether its blocks ran and what they printed."""
+    pages = {str(p.relative_to(ROOT)): _cpu_blocks(p) for p in _pages()}
+    pages = {name: blocks for name, blocks in pages.items() if blocks}
+    tmp = tmp_path_factory.mktemp("docs_cpu")
+    spec, result = tmp / "pages.json", tmp / "results.json"
+    spec.write_text(json.dumps(pages))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PAGES_RUNNER, str(spec), str(result)],
+        cwd=tmp,
+        env=_env(False),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 3,
+    )
+    assert proc.returncode == 0 and result.exists(), (
+        f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(result.read_text())
+
+
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
-def test_docs_blocks_run_on_cpu(page: Path, tmp_path: Path) -> None:
+def test_docs_blocks_run_on_cpu(page: Path, cpu_pages: dict[str, dict]) -> None:
     blocks = [b for b in python_blocks(page) if not b["gpu_only"]]
     if not blocks:
         pytest.skip(f"{page.name}: every block is GPU-only")
-    run_blocks(blocks, tmp_path, cuda=False)
+    if not _cpu_blocks(page):
+        missing = sorted({name for b in blocks for name in _missing_packages(b)})
+        pytest.skip(f"needs {', '.join(missing)}")
+    got = cpu_pages[str(page.relative_to(ROOT))]
+    assert got["ok"], got["output"][-6000:]
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)

@@ -146,6 +146,7 @@ def test_fsdp2_single_process() -> None:
     _check_fsdp2(_run([str(path), "--steps", "2"]), world=1)
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 @pytest.mark.distributed
 def test_fsdp2_torchrun_two_processes() -> None:
     path = _example("fsdp2.py")
