@@ -107,6 +107,7 @@ def test_infeasible_budget_names_the_smallest() -> None:
         optimize(c, 1.0)
 
 
+@pytest.mark.slow  # 96 brute-force searches of 6^5 plans: `-m slow`
 def test_search_matches_brute_force_on_equal_layers() -> None:
     """The search (family, then hill climbing) is a heuristic: on random costs of 5
     equal layers it returns the fastest of all 6^5 assignments in nearly every case and
@@ -1012,6 +1013,7 @@ def test_memory_model_matches_its_definition(seed: int) -> None:
         assert c.raw_memory(levers) == pytest.approx(_raw_memory_by_definition(c, levers))
 
 
+@pytest.mark.slow  # every family of 20 layers searched: `-m slow`
 def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
     """Beyond ``_FULL_SEARCH`` layers the counts of each lever are tried on a stride,
     then every count near the fastest families (so that 80 layers take seconds, not
