@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import offload
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 
 def main() -> None:

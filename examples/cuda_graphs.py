@@ -26,7 +26,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
+from offload.models import ReferenceModel  # noqa: E402
 
 
 def grads_of(model: ReferenceModel) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import copy
 import torch
 
 import offload
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 
 def measure(step, steps: int = 3, warmup: int = 1) -> tuple[float, int]:

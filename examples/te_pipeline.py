@@ -21,7 +21,7 @@ import copy
 import torch
 
 import offload
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload._reference import ReferenceBlock
+from offload.models import ReferenceBlock
 from offload.profiling import format_bytes
 
 GIB = 2**30

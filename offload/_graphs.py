@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from offload import _context, _device
+from offload import _context, _device, _dynamo
 from offload._handles import Kept, unpack_hook
 from offload._plan import Schedule, plan_forward
 from offload._step import Step
@@ -135,6 +135,9 @@ class _LayerCapture:
             step.finish_forward()
             self.steps.append(step)
             self.step = None
+
+
+_dynamo.opaque(_LayerCapture._pack)  # the pack hook: never a frame for dynamo
 
 
 def make_graphed_callables(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload import _packing
+from offload import _dynamo, _packing
 
 if TYPE_CHECKING:
     from offload._group import Group as _Group
@@ -232,3 +232,6 @@ class PackedQuantized:
 def unpack_hook(handle: Any) -> torch.Tensor:
     """The unpack half of the saved-tensor hooks."""
     return handle.unpack()
+
+
+_dynamo.opaque(unpack_hook)  # never a frame for dynamo (offload/_dynamo.py)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from offload import _measure
+from offload import _dynamo, _measure
 from offload._timeline import record_timeline
 from offload.profiling import MemoryProfile, OffloadStats, Timeline
 
@@ -136,7 +136,7 @@ def _saved_bytes(step_fn: Callable[[], Any], params: list[torch.Tensor]) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(_dynamo.opaque(pack), lambda t: t):
         step_fn()
     seen.pop(0, None)
     return sum(seen.values())

@@ -13,7 +13,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import _compress, _packing, _placement
+from offload import _compress, _dynamo, _packing, _placement
 from offload._handles import (
     Gathered,
     Kept,
@@ -563,3 +563,6 @@ class Saves:
         self._flush_d2h(group)
         if group.device_refs and self.backend is not None:
             group.d2h_done = self.backend.record_d2h()
+
+
+_dynamo.opaque(Saves.pack)  # the pack hook: never a frame for dynamo (offload/_dynamo.py)

@@ -136,6 +136,11 @@ class OffloadStats:
             ``"cold"``: ``True`` while those costs come from the offloader's first
             step alone, which is measured again warm);
             else ``None``.
+        synchronous: ``True`` when the copies ran synchronously because the offloaded
+            tensors live on a device without an accelerator (the CPU): the schedule runs
+            as on a GPU and moves the bytes to host memory, but there is no device
+            memory to save; :meth:`report` and :meth:`summary` say so instead of
+            reporting freed device memory.
 
     Example:
         >>> import offload, torch
@@ -167,6 +172,7 @@ class OffloadStats:
     auto: dict[str, Any] | None = None
     compress_bytes_before: int = 0
     compress_bytes_after: int = 0
+    synchronous: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""
@@ -416,7 +422,8 @@ class MemoryProfile:
 
     def verdict(self) -> str:
         """One line, e.g. ``saved 4.4 GiB of 5.8 GiB (76%) for +3.1% step time; copies
-        hidden 97%``."""
+        hidden 97%``. Without an accelerator it claims no saving: it says that the
+        schedule ran synchronously and that there is no device memory to save."""
         if self.stats.bytes_offloaded == 0:
             return (
                 "nothing was offloaded (every saved tensor stayed on the device: see the "
@@ -427,6 +434,14 @@ class MemoryProfile:
             if self.activation_bytes_without > 0
             else ""
         )
+        if self.memory_source != "cuda_allocator":  # no accelerator: nothing to save
+            from offload._render import SYNCHRONOUS
+
+            return (
+                f"{SYNCHRONOUS}; its copies took {format_bytes(self.bytes_saved)} of the "
+                f"{format_bytes(self.activation_bytes_without)}{share} saved per step to "
+                f"host memory, at {100 * (self.time_ratio - 1):+.1f}% step time on this host"
+            )
         text = (
             f"saved {format_bytes(self.bytes_saved)} of "
             f"{format_bytes(self.activation_bytes_without)}{share} for "
@@ -435,8 +450,6 @@ class MemoryProfile:
         hidden = self.copies_hidden
         if hidden is not None:
             text += f"; copies hidden {100 * hidden:.0f}%"
-        elif self.memory_source != "cuda_allocator":
-            text += "; copies synchronous (no accelerator)"
         return text
 
     # ---- conversions ----------------------------------------------------------------

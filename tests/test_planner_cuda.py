@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload._planner.verify import measure_step as _run
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 from tests.models import ON_CUDA_DETERMINISTIC
 
 pytestmark = ON_CUDA_DETERMINISTIC

@@ -19,7 +19,7 @@ from offload._planner import verify as _verify
 from offload._planner.costs import PlanCosts
 from offload._planner.fit import moments_of
 from offload._planner.plan import Plan
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 MIB, GIB = 1 << 20, 1 << 30
 

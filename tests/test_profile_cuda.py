@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import offload
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 from tests.models import ON_CUDA
 
 pytestmark = ON_CUDA

@@ -10,7 +10,7 @@ GPU time)::
 Models (bf16, forward + backward, no optimizer step; gradients set to ``None`` before each
 step, as an optimizer's ``zero_grad`` does):
 
-* ``ref-8L``: 8 Llama-style layers (``offload._reference``), hidden 4096, 32 heads, ffn
+* ``ref-8L``: 8 Llama-style layers (``offload.models``), hidden 4096, 32 heads, ffn
   14336, seq 4096, batch 1; loss = mean of squares of the output.
 * ``tiny48``: 48 of those layers with hidden 256, 4 heads, ffn 704, seq 256, batch 4
   (launch-bound: the host sets the pace).
@@ -68,7 +68,7 @@ sys.path.insert(0, _repo_root())
 
 import offload  # noqa: E402
 from benchmarks._common import llama_1b_config  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
+from offload.models import ReferenceModel  # noqa: E402
 
 LIMIT = 1.03
 GIB = 1024**3

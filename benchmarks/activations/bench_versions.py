@@ -17,7 +17,7 @@ script in worker mode with ``PYTHONPATH=<tree>:<repository root>``; the worker c
 that ``offload`` was imported from ``<tree>`` and uses only the public API both trees
 share: ``offload.ActivationOffloader(layers, offload_layers=..., compress=...)`` as a
 context manager around the forward and the loss, and ``offload.checkpoint(layer, x)``.
-The model is the tree's ``offload._reference.ReferenceModel`` (the driver records
+The model is the tree's ``offload.models.ReferenceModel`` (the driver records
 whether the two trees' files are identical).
 
 Models (``--presets``): ``ref-8L``: ``ReferenceModel(8, 4096, 32, 14336)``, bf16, batch
@@ -126,7 +126,11 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import offload
-        from offload._reference import ReferenceModel
+
+        try:
+            from offload.models import ReferenceModel
+        except ImportError:  # a tree from before offload/models.py became public
+            from offload._reference import ReferenceModel
 
         tree = Path(args.tree).resolve()
         self.offload_file = Path(offload.__file__).resolve()
@@ -443,13 +447,20 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"total wall time {result['wall_s']:.0f} s")
 
 
+def _reference_source(tree: Path) -> bytes:
+    """The source of ``tree``'s reference model (``offload/models.py``, or the private
+    ``offload/models.py`` of older trees)."""
+    path = tree / "offload" / "models.py"
+    return (path if path.exists() else tree / "offload" / "_reference.py").read_bytes()
+
+
 def run_driver(args: argparse.Namespace) -> None:
     from benchmarks._common import environment, write_json
 
     begin = time.perf_counter()
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
     table = {p: names for p, names in args.configs.items() if names}
-    references = [(t / "offload" / "_reference.py").read_bytes() for t in trees.values()]
+    references = [_reference_source(t) for t in trees.values()]
     result: dict[str, Any] = {
         "benchmark": "bench_versions",
         "command": [sys.executable, *sys.argv],

@@ -33,7 +33,7 @@ Models (``--models``):
   configuration, ``all`` (every layer offloaded, ``min_tensor_bytes=0``); loss
   ``y.sum()``. Also reported: ``us per saved tensor`` = (median step - median step
   of no offloading) * 1000 / 1,024, per tree.
-* ``tiny48``: the new tree's ``offload._reference.ReferenceModel`` at
+* ``tiny48``: the new tree's ``offload.models.ReferenceModel`` at
   ``bench_activations.py``'s tiny48 sizes (48 layers, hidden 256, 4 heads, ffn 704,
   seq 256, batch 4, bf16; ``--quick``: 6 layers of its quick sizes and
   ``min_tensor_bytes=0``); configurations ``k0`` and ``k47`` (``offload_layers`` 0 and
@@ -113,7 +113,7 @@ class Model:
             self.configs = {"all": {"offload_layers": n, "min_tensor_bytes": 0}}
         elif name == "tiny48":
             from benchmarks.activations.bench_activations import PRESETS, QUICK
-            from offload._reference import ReferenceModel
+            from offload.models import ReferenceModel
 
             s = QUICK if quick else PRESETS["tiny48"][0]
             n = 6 if quick else s.layers

@@ -15,7 +15,7 @@ CPU smoke run (tiny model, a few seconds; CUDA-only columns print n/a)::
 
     PYTHONPATH=. python3 benchmarks/checkpoint/bench_checkpoint.py --quick --device cpu --out /tmp/c.json
 
-Model: ``--layers`` (8) ``offload._reference.ReferenceBlock`` layers (Llama-style: RMSNorm,
+Model: ``--layers`` (8) ``offload.models.ReferenceBlock`` layers (Llama-style: RMSNorm,
 fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP, residuals; no RoPE, no
 embedding, no head), hidden 4096, 32 heads, ffn 14336, batch 1, bf16 weights; loss = mean
 of squares of the last layer's output, in fp32. Built once (seed 0); both modes use the
@@ -87,7 +87,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import offload
 from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json
-from offload._reference import ReferenceBlock
+from offload.models import ReferenceBlock
 from offload.profiling import format_bytes
 
 MODES = ("checkpoint", "offload.checkpoint")

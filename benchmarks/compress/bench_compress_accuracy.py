@@ -43,7 +43,7 @@ ending the run. ``--deterministic warn`` / ``off`` choose the others. Every warn
 printed at the end and kept in the JSON (``warnings``); each part has a control that
 says whether its runs were in fact deterministic.
 
-Part 1, ``ref-8L`` (docs/performance.md; ``offload._reference.ReferenceModel``): 8
+Part 1, ``ref-8L`` (docs/performance.md; ``offload.models.ReferenceModel``): 8
 Llama-style layers (RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU
 MLP, residuals), hidden 4096, 32 heads, ffn 14336, seq 4096, batch 1, bf16 weights (seed
 0); loss = mean of squares of the output, in fp32. ``--quick``: 4 layers, hidden 64, 4
@@ -143,7 +143,7 @@ from torch import nn
 
 import offload
 from benchmarks._common import Timer, environment, free_cached, synchronize, write_json
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 from offload.profiling import format_bytes
 
 REF_DTYPE = torch.bfloat16

@@ -25,7 +25,7 @@ import torch
 
 import offload
 from benchmarks._common import union_length
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 
 def profile_row(model: ReferenceModel, x: torch.Tensor, offloader: Any) -> dict[str, Any]:

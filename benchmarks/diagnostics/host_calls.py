@@ -32,7 +32,7 @@ import torch
 import offload
 from benchmarks._common import environment, levers_of, time_methods, write_json
 from offload import _compress, _device, _host_pool, _step, activations
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 TIMED: list[tuple[Any, list[str]]] = [
     (_step.Step, ["pack", "_place", "_copy", "_flush_d2h", "open_group", "close_group"]),

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import offload  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
+from offload.models import ReferenceModel  # noqa: E402
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ import torch
 import offload
 from benchmarks._common import environment, free_cached, levers_of, write_json
 from offload import _device
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 _d2h_events: list[torch.cuda.Event] = []
 _record_d2h = _device.CudaBackend.record_d2h

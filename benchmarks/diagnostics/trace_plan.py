@@ -34,7 +34,7 @@ import torch
 
 import offload
 from benchmarks._common import environment, levers_of, union_length, write_json
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 
 def analyse(prof: Any, gaps: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ processes copy at once with no model running, is ``benchmarks/distributed/bench_
 (``python3 benchmarks/distributed/bench_multigpu_memcpy.py --out benchmarks/results/multigpu_memcpy.json``); this script
 does not repeat it. ``gpu_suite.sh multigpu`` runs both.
 
-Model (``--preset ref8l``, the default): ``offload._reference.ReferenceModel``, "ref-8L"
+Model (``--preset ref8l``, the default): ``offload.models.ReferenceModel``, "ref-8L"
 of docs/performance.md: 8 Llama-style layers, hidden 4096, 32 heads, ffn 14336, seq
 4096, batch 1 per rank, bf16 weights; loss = mean of squares of the output, in fp32.
 ``--preset tiny`` (for the CPU smoke run): 8 layers, hidden 256, 4 heads, ffn 704, seq
@@ -118,7 +118,7 @@ import offload  # noqa: E402
 from benchmarks._common import GIB, Timer, environment, median, synchronize, write_json  # noqa: E402
 from benchmarks.distributed.bench_multigpu_memcpy import numa_node  # noqa: E402
 from offload._host_pool import default_host_limit  # noqa: E402
-from offload._reference import ReferenceModel  # noqa: E402
+from offload.models import ReferenceModel  # noqa: E402
 from offload.profiling import format_bytes  # noqa: E402
 
 CHECK_STEPS = 2  # offloaded steps compared with the baseline, per checked k

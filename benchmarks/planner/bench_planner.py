@@ -18,7 +18,7 @@ on a synthetic :class:`offload.PlanCosts`; CUDA-only columns print n/a)::
 
     PYTHONPATH=. python3 benchmarks/planner/bench_planner.py --quick --device cpu --out /tmp/p.json
 
-Model: ``offload._reference.ReferenceModel(8, 4096, 32, 14336)`` (the "ref-8L" of
+Model: ``offload.models.ReferenceModel(8, 4096, 32, 14336)`` (the "ref-8L" of
 docs/performance.md: Llama-style layers, fused QKV, causal SDPA, SwiGLU MLP, no RoPE),
 bf16 weights, seed 0; ``--quick``: ``ReferenceModel(8, 64, 4, 128)``. A step is
 ``model.loss(x).backward()`` (no optimizer step) on a fresh ``x = torch.randn(1, 4096,
@@ -142,7 +142,7 @@ from benchmarks._common import (
 )
 from offload import DEFAULT_LEVERS, LEVERS, Plan, PlanCosts
 from offload._planner.search import optimize
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 from offload.profiling import format_bytes
 
 DTYPE = torch.bfloat16

@@ -20,7 +20,7 @@ Cases (``--cases`` picks some by name):
   levers, and the peak Hugging Face checkpointing with ``offload_checkpointing()``
   reaches (measured here). Targets: 50 % <= 1.15x, 25 % <= 1.35x.
 * ``llama-16k``: the same model at seq 16384; budget 25 %, target <= 1.25x.
-* ``ref-8L``: ``offload._reference.ReferenceModel(8, 4096, 32, 14336)``, bf16, seq 4096,
+* ``ref-8L``: ``offload.models.ReferenceModel(8, 4096, 32, 14336)``, bf16, seq 4096,
   ``model.loss(x)`` on a fixed ``x``; budgets 75 / 50 / 25 %, targets 1.02 / 1.06 / 1.15.
 * ``ref-8L-fp8``: the same with ``compress="fp8"`` allowed; budgets 50 / 25 %, target
   25 % <= 1.10.
@@ -65,7 +65,7 @@ from offload import _measure
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import summary
 from offload._planner.search import candidates, single_levers
-from offload._reference import ReferenceModel
+from offload.models import ReferenceModel
 
 GIB = 2**30
 VS_SINGLE = 1.02

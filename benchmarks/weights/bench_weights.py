@@ -9,7 +9,7 @@ CPU smoke run (tiny sizes, one CPU thread, CUDA-only columns print n/a; a few se
 
     PYTHONPATH=. python3 benchmarks/weights/bench_weights.py --quick --device cpu --out /tmp/w.json
 
-Model (docs/performance.md, "ref-8L"): L = 8 ``offload._reference.ReferenceBlock``
+Model (docs/performance.md, "ref-8L"): L = 8 ``offload.models.ReferenceBlock``
 layers (RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP with
 fused gate/up, residuals; no bias), hidden 4096, 32 heads, ffn 14336, bf16 weights:
 464 MiB of weights per layer, 3.62 GiB in all. Built once (seed 0); every row uses the
@@ -84,7 +84,7 @@ from benchmarks._common import (
     synchronize,
     write_json,
 )
-from offload._reference import ReferenceBlock
+from offload.models import ReferenceBlock
 
 DTYPE = torch.bfloat16
 
