@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-layers",
         metavar="auto|all|N|I,J,...",
         help=(
-            "auto, all, an int n (the first n layers) or a comma list of layer indices; "
-            "default all but the last"
+            "auto, all (all but the last), an int n (the first n layers) or a comma list "
+            "of layer indices; default auto, the library's default"
         ),
     )
     run.add_argument(
@@ -363,8 +363,13 @@ def _device(text: str | None) -> torch.device:
 
 
 def _offload_layers(text: str | None, num_layers: int) -> int | list[int] | str | None:
-    if text is None:
-        return None
+    if text is None:  # the library's default (ActivationOffloader, OffloadConfig)
+        import dataclasses
+
+        from offload.config import OffloadConfig
+
+        fields: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+        return fields["offload_layers"]
     if text in ("auto", "all"):
         return text
     accepted = (

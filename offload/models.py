@@ -1,6 +1,7 @@
-"""The built-in reference model of ``python -m offload profile``: a stack of Llama-style
-blocks (RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP, with
-residuals; no RoPE, no embedding, no head)."""
+"""The built-in reference model of ``python -m offload profile`` and of the examples
+(``from offload.models import ReferenceModel``): a stack of Llama-style blocks (RMSNorm,
+fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU MLP, with residuals; no RoPE,
+no embedding, no head)."""
 
 from __future__ import annotations
 

@@ -121,6 +121,11 @@ class OffloadStats:
             ``"cold"``: ``True`` while those costs come from the offloader's first
             step alone, which is measured again warm);
             else ``None``.
+        synchronous: ``True`` when the copies ran synchronously because the offloaded
+            tensors live on a device without an accelerator (the CPU): the schedule runs
+            as on a GPU and moves the bytes to host memory, but there is no device
+            memory to save; :meth:`report` and :meth:`summary` say so instead of
+            reporting freed device memory.
 
     Example:
         >>> import offload, torch
@@ -152,6 +157,7 @@ class OffloadStats:
     auto: dict[str, Any] | None = None
     compress_bytes_before: int = 0
     compress_bytes_after: int = 0
+    synchronous: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (plain ints, floats, strings, lists and dicts)."""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.activations import bench_versions_inproc as bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +29,7 @@ def test_renamed_copy_imports_nothing_of_the_original(tmp_path) -> None:
     assert (folder / "offload_old" / "__init__.py").is_file()
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_smoke_run_with_this_checkout_as_both_trees(tmp_path) -> None:
     out = tmp_path / "v.json"
     argv = ["--old", str(ROOT), "--device", "cpu", "--quick", "--rounds", "3", "--warmup", "1"]

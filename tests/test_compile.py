@@ -196,7 +196,8 @@ def test_attached_offloader_under_a_compiled_model_is_bitwise() -> None:
         return models.step(model, x, lambda m, h: m(h))
 
     want = run()
-    handle = off.attach(model)
+    with pytest.warns(UserWarning, match="compiled as a whole"):  # not covered: it says so
+        handle = off.attach(model)
     got = run()
     assert_same(got, want)
     assert off.stats.bytes_offloaded > 0
@@ -214,3 +215,132 @@ def test_a_handle_whose_constructor_never_ran_dies_quietly(monkeypatch) -> None:
         del obj
         gc.collect()
     assert not raised, [r.exc_value for r in raised]
+
+
+# ---- every order of plain and offloaded steps (issue 52, item 1) ------------------------
+
+#: "P": a step of the compiled layers without offloading, "O": one with it
+ORDERS = {"plain_first": "POO", "offloaded_first": "OPO", "alternating": "POPOP"}
+
+
+def _mlp_stack(form: str) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Three ``Linear-GELU-Linear`` blocks compiled one by one (the calls the forward
+    makes, and the modules the offloader is given: the same ones)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inner = [nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(3)]
+    if form == "method":
+        for layer in inner:
+            layer.compile(backend="aot_eager")
+        return inner, inner
+    calls = [torch.compile(layer, backend="aot_eager") for layer in inner]
+    return calls, calls
+
+
+def _orders(run_offloaded: Callable[..., Any], offloaded: Callable[[], int]) -> Any:
+    """A test body: for each step of the order, the compiled layers with and without
+    offloading give bitwise the same loss and gradients, and the offloaded step moved
+    bytes to the host."""
+
+    def body(form: str, order: str) -> None:
+        calls, hooked = _mlp_stack(form)
+        stack = nn.ModuleList(hooked)
+        runner = run_offloaded(calls, hooked)
+        for i, kind in enumerate(ORDERS[order]):
+            x = torch.randn(4, 16, 128) + i
+            want = models.step(stack, x, lambda _ls, h: _plain(calls, h))
+            if kind == "O":
+                assert_same(runner(stack, x), want)
+                assert offloaded() > 0
+
+    return body
+
+
+def _plain(calls: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for call in calls:
+        x = call(x)
+    return x
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("form", ["method", "wrapper"])
+def test_activation_offloader_in_every_order_of_plain_and_offloaded_steps(
+    form: str, order: str
+) -> None:
+    offs: list[offload.ActivationOffloader] = []
+
+    def make(calls: list[nn.Module], hooked: list[nn.Module]) -> Callable[..., Any]:
+        off = offload.ActivationOffloader(hooked, offload_layers="all", min_tensor_bytes=0)
+        offs.append(off)
+        return lambda stack, x: models.step(stack, x, lambda _ls, h: _plain(calls, h), off)
+
+    _orders(make, lambda: offs[0].stats.bytes_offloaded)(form, order)
+    offs[0].close()
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("form", ["method", "wrapper"])
+def test_offload_checkpoint_in_every_order_of_plain_and_offloaded_steps(
+    form: str, order: str
+) -> None:
+    ckpt = offload.CheckpointOffloader(min_tensor_bytes=0)
+
+    def make(calls: list[nn.Module], _hooked: list[nn.Module]) -> Callable[..., Any]:
+        def run(stack: Any, x: torch.Tensor) -> Any:
+            ckpt.reset_stats()
+            return models.step(stack, x, lambda _ls, h: _checkpointed(ckpt, calls, h))
+
+        return run
+
+    _orders(make, lambda: ckpt.stats.bytes_offloaded)(form, order)
+    ckpt.close()
+
+
+def test_originals_of_wrappers_that_ran_plain_first_warn_naming_the_page() -> None:
+    """``torch.compile(layer)`` run plain first, the offloader given the originals: the
+    compiled code does not call hooks added later; the warning says what to pass."""
+    calls, _ = _mlp_stack("wrapper")
+    inner = [c._orig_mod for c in calls]
+    x = torch.randn(4, 16, 128)
+    _plain(calls, x).sum().backward()
+    off = offload.ActivationOffloader(inner, offload_layers="all", min_tensor_bytes=0)
+    with pytest.warns(UserWarning, match="give the offloader the wrappers.*docs/compile.md"):
+        with off:
+            y = _plain(calls, x)
+    y.sum().backward()
+    off.close()
+
+
+@pytest.mark.parametrize("form", ["method", "wrapper", "attach_wrapper"])
+def test_attached_offloader_on_a_model_compiled_whole_warns_once_naming_the_page(
+    form: str,
+) -> None:
+    """Whole-model compile is not covered (it offloads less than eager): attaching to a
+    compiled model, or compiling an attached one, says so once, naming docs/compile.md."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)))
+    off = offload.ActivationOffloader(list(model), offload_layers="all", min_tensor_bytes=0)
+    x = torch.randn(4, 64)
+    match = r"compiled as a whole.*docs/compile\.md"
+    if form == "attach_wrapper":  # attached to the wrapper torch.compile returns
+        call = torch.compile(model, backend="aot_eager")
+        with pytest.warns(UserWarning, match=match):
+            handle = off.attach(call)
+    else:  # attached first, the model compiled afterwards
+        handle = off.attach(model)
+        if form == "method":
+            model.compile(backend="aot_eager")
+            call = model
+        else:
+            call = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            call(x).sum().backward()
+    ours = [w for w in record if "compiled as a whole" in str(w.message)]
+    assert len(ours) == (0 if form == "attach_wrapper" else 1), [str(w.message) for w in record]
+    if ours:
+        assert "docs/compile.md" in str(ours[0].message)
+    handle.remove()
+    off.close()

@@ -146,6 +146,7 @@ def test_fsdp2_single_process() -> None:
     _check_fsdp2(_run([str(path), "--steps", "2"]), world=1)
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 @pytest.mark.distributed
 def test_fsdp2_torchrun_two_processes() -> None:
     path = _example("fsdp2.py")
@@ -180,7 +181,6 @@ def test_weights_example() -> None:
 @pytest.mark.parametrize(
     ("name", "args", "expected"),
     [
-        ("quickstart.py", ["--steps", "2", "--device", "cpu"], ["step 0: loss", "step 1: loss"]),
         ("moe.py", [], ["step 0: loss"]),
         (
             "compress.py",
@@ -206,6 +206,18 @@ def test_other_examples_run(name: str, args: list[str], expected: list[str]) -> 
     out = _run([str(path), *args])
     for text in expected:
         assert text in out, f"examples/{name} did not print {text!r}:\n{out[-2000:]}"
+
+
+def test_quickstart_on_a_cpu_says_what_runs_and_claims_no_saving() -> None:
+    """Without an accelerator the quickstart says once that the schedule ran
+    synchronously with no device memory to save, and never reports freed device
+    memory."""
+    out = _run([str(_example("quickstart.py")), "--steps", "2", "--device", "cpu"])
+    assert "step 0: loss" in out and "step 1: loss" in out, out[-2000:]
+    flat = " ".join(out.split())  # rich wraps lines
+    assert flat.count("the schedule ran synchronously") == 1, out[-2000:]
+    assert "there is no device memory to save" in flat, out[-2000:]
+    assert "freed" not in flat and "on the device)" not in flat, out[-2000:]
 
 
 # ---- all examples ----------------------------------------------------------------------

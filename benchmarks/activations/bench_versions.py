@@ -129,8 +129,8 @@ class Worker:
 
         try:
             from offload.models import ReferenceModel
-        except ImportError:  # the tree before the reference model became offload.models
-            from offload._reference import ReferenceModel  # type: ignore[no-redef]
+        except ImportError:  # a tree from before offload/models.py became public
+            from offload._reference import ReferenceModel
 
         tree = Path(args.tree).resolve()
         self.offload_file = Path(offload.__file__).resolve()
@@ -447,11 +447,11 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"total wall time {result['wall_s']:.0f} s")
 
 
-def _reference_source(tree: Path) -> Path:
-    """The reference model's module in ``tree`` (``offload/models.py``, formerly
-    ``offload/_reference.py``)."""
-    new = tree / "offload" / "models.py"
-    return new if new.exists() else tree / "offload" / "_reference.py"
+def _reference_source(tree: Path) -> bytes:
+    """The source of ``tree``'s reference model (``offload/models.py``, or the private
+    ``offload/models.py`` of older trees)."""
+    path = tree / "offload" / "models.py"
+    return (path if path.exists() else tree / "offload" / "_reference.py").read_bytes()
 
 
 def run_driver(args: argparse.Namespace) -> None:
@@ -460,7 +460,7 @@ def run_driver(args: argparse.Namespace) -> None:
     begin = time.perf_counter()
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
     table = {p: names for p, names in args.configs.items() if names}
-    references = [_reference_source(t).read_bytes() for t in trees.values()]
+    references = [_reference_source(t) for t in trees.values()]
     result: dict[str, Any] = {
         "benchmark": "bench_versions",
         "command": [sys.executable, *sys.argv],

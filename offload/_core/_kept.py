@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from offload._core import _dynamo
+
 __all__ = ["Kept", "Raw", "inplace_message", "unpack_hook"]
 
 
@@ -54,3 +56,6 @@ class Raw:
 def unpack_hook(handle: Any) -> torch.Tensor:
     """The unpack half of the saved-tensor hooks."""
     return handle.unpack()
+
+
+_dynamo.opaque(unpack_hook)  # never a frame for dynamo (offload/_core/_dynamo.py)

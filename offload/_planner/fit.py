@@ -31,7 +31,10 @@ from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
 from offload._recompute._reentrant import RECOMPUTES, NestedBackwardError
 from offload.profiling._timeline import Recorder
 
-__all__ = ["COST_STEPS", "Measured", "fit_costs", "measure_configs", "memory_moments", "moments_of"]
+__all__ = [
+    "COST_STEPS", "Measured", "find_model", "fit_costs", "measure_configs", "memory_moments",
+    "moments_of",
+]  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -89,6 +92,57 @@ def _with_offloader(
     steps, warmup = kw.pop("steps"), kw.pop("warmup")
     with _attached(layers, model, **kw) as off:
         return verify.measure_step(step_fn, steps, warmup), off.stats
+
+
+def find_model(step_fn: Callable[[], Any], layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """The module whose forward runs ``layers`` in ``step_fn``: the outermost module call
+    in progress at every layer call, seen through global module hooks during one run of
+    ``step_fn`` (which counts as a warm-up step: gradients accumulate).
+
+    Raises:
+        ValueError: ``step_fn`` called no layer, or called one outside any other
+            module's forward, or called them from different outermost modules: pass
+            ``model=`` then.
+    """
+    from torch.nn.modules import module as _module
+
+    ids = {id(layer) for layer in layers}
+    calls: list[torch.nn.Module] = []  # the module calls in progress, outermost first
+    seen: list[torch.nn.Module | None] = []  # per layer call: its outermost module
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in ids:
+            outer = calls[0] if calls else None
+            seen.append(None if outer is None or id(outer) in ids else outer)
+        calls.append(module)
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if calls and calls[-1] is module:
+            calls.pop()
+
+    handles = [
+        _module.register_module_forward_pre_hook(pre),
+        _module.register_module_forward_hook(post, always_call=True),
+    ]
+    try:
+        step_fn()
+    finally:
+        for h in handles:
+            h.remove()
+    found = {id(m): m for m in seen if m is not None}
+    if not seen or None in seen or len(found) != 1:
+        why = (
+            "step_fn called none of the layers"
+            if not seen
+            else "step_fn calls the layers outside any other module's forward"
+            if None in seen
+            else f"the layers ran inside {len(found)} different top-level modules"
+        )
+        raise ValueError(
+            f"model: {why}, so plan cannot tell which forward to enter its measuring "
+            f"offloaders around; pass model=, the nn.Module whose forward calls the layers"
+        )
+    return next(iter(found.values()))
 
 
 def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:

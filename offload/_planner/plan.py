@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from offload._planner.costs import PlanCosts
-from offload._planner.fit import fit_costs, measure_configs
+from offload._planner.fit import find_model, fit_costs, measure_configs
 from offload._planner.levers import (
     DEFAULT_LEVERS,
     LEVERS,
@@ -474,11 +474,11 @@ def _check_arguments(
     if len(layers) < 1:
         raise ValueError("layers is empty")
     _budget_bytes(budget, 1.0)  # its type and range
-    if model is None or not isinstance(model, torch.nn.Module):
-        raise ValueError(
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
             "model must be the nn.Module whose forward calls the layers (the planner "
-            "enters its measuring offloaders around that forward); got "
-            f"{type(model).__name__}"
+            "enters its measuring offloaders around that forward) or None (found by "
+            f"running step_fn once); got {type(model).__name__}"
         )
     _check_int("steps", steps, minimum=1)
     _check_int("warmup", warmup, minimum=1)
@@ -527,8 +527,10 @@ def plan(
         budget: the activation peak allowed: bytes (``int``) or a fraction of the
             measured peak without levers (``float`` in ``(0, 1]``). "Activation peak":
             the most memory allocated during a step above what was allocated before it.
-        model: the module whose forward runs ``layers`` (required: the measuring
-            offloaders are entered around its forward).
+        model: the module whose forward runs ``layers`` (the measuring offloaders are
+            entered around its forward). Default ``None``: found by running
+            ``step_fn`` once (an extra warm-up step) as the outermost module whose
+            forward is in progress at every layer call.
         levers: the levers the plan may use. Default: :data:`DEFAULT_LEVERS` (every
             lever of :data:`LEVERS`).
         compress: ``None`` (default) or ``"fp8"``: offloaded layers may travel
@@ -564,21 +566,23 @@ def plan(
 
     Raises:
         TypeError: a wrong type (``step_fn`` not callable, ``budget`` not a number).
-        ValueError: a bad value; no ``model``; a budget no plan meets (the message
+        ValueError: a bad value; ``model`` not given and not found (``step_fn`` calls
+            the layers outside any module's forward); a budget no plan meets (the message
             gives the smallest that one does), or none of the plans tried measured
             within it.
         RuntimeError: no CUDA device (the planner measures device time and memory).
 
     Example::
 
-        p = offload.plan(step, model.layers, budget=0.5, model=model)
+        p = offload.plan(step, model.layers, budget=0.5)  # model: found by a step
         p.report()
         p.apply(model)      # then train as usual; p.remove() undoes it
     """
     allowed = check_levers(levers, "levers")
     layers = list(layers)
     _check_arguments(step_fn, layers, budget, model, steps, warmup)
-    assert model is not None  # checked above
+    if model is None:
+        model = find_model(step_fn, layers)
     m = measure_configs(step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup)
     costs, fitted = fit_costs(m, compress)
     measured = Plan(

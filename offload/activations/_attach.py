@@ -171,11 +171,24 @@ class AttachHandle:
         # being handled when the call started); the outermost call that found the
         # offloader free enters it, nested calls only push a frame.
         self._local = threading.local()
+        start = _ModuleHook(self._forward_start, traced=self._forward_start_compiled)
         self._hooks = [
-            model.register_forward_pre_hook(_ModuleHook(self._forward_start), prepend=True),
+            model.register_forward_pre_hook(start, prepend=True),
             model.register_forward_hook(_ModuleHook(self._forward_end), always_call=True),
         ]
         offloader._hold_layer_hooks(True)
+        if _compiled_whole(model):
+            self._warn_compiled()
+
+    def _warn_compiled(self) -> None:
+        """Say once that the attached model is compiled as a whole (docs/compile.md)."""
+        self._offloader._warn_once("whole_model_compile", _WHOLE_MODEL_COMPILED)
+
+    def _forward_start_compiled(self, module: torch.nn.Module, args: Any) -> None:
+        """``_forward_start`` called from a frame dynamo compiled: the model's forward
+        (or a module around it) is compiled as a whole."""
+        self._warn_compiled()
+        self._forward_start(module, args)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -249,6 +262,23 @@ class AttachHandle:
         return f"AttachHandle({name}, {state})"
 
 
+_WHOLE_MODEL_COMPILED = (
+    "offload: the model this offloader is attached to is compiled as a whole "
+    "(torch.compile(model) or model.compile()), which offloading does not cover: dynamo "
+    "compiles the code between the layers with them and less is offloaded than when "
+    "the model runs eagerly. Compile the layers one by one instead (layer.compile(); "
+    "docs/compile.md)."
+)
+
+
+def _compiled_whole(model: torch.nn.Module) -> bool:
+    """``model`` is a ``torch.compile`` wrapper or was compiled by ``model.compile()``
+    (a wrapper exists only once dynamo is imported: no import here)."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapped = frame is not None and isinstance(model, frame.OptimizedModule)
+    return wrapped or getattr(model, "_compiled_call_impl", None) is not None
+
+
 #: torch.compiler.is_compiling, read twice per layer call (dynamo knows the function
 #: itself, whatever name calls it: True while it traces)
 _is_compiling = torch.compiler.is_compiling
@@ -261,7 +291,12 @@ class _ModuleHook:
 
     __slots__ = ("arity", "fn", "traced")
 
-    def __init__(self, fn: Callable[..., None] | None, arity: int = 0) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., None] | None,
+        arity: int = 0,
+        traced: Callable[..., None] | None = None,
+    ) -> None:
         #: a bound method (of the offloader or of an attachment), or None (inert)
         self.fn = fn
         #: the number of arguments torch passes this hook as registered (0: any). Torch
@@ -272,8 +307,9 @@ class _ModuleHook:
         self.arity = arity
         #: what a frame compiled by dynamo calls instead (``layer.compile()`` compiles
         #: the module's hooks with its forward), with ``fn.__self__`` first: ``fn``'s
-        #: function, run eagerly, outside the graph (one wrapper per function, shared)
-        self.traced = None if fn is None else _dynamo.eager_function(fn)
+        #: function, run eagerly, outside the graph (one wrapper per function, shared);
+        #: ``traced``, a method of the same object, instead when given
+        self.traced = None if fn is None else _dynamo.eager_function(traced or fn)
 
     def __call__(self, *args: Any) -> None:
         fn = self.fn

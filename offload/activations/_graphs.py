@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from offload._core import _context, _device
+from offload._core import _context, _device, _dynamo
 from offload.activations._handles import Kept, unpack_hook
 from offload.activations._offloader import ActivationOffloader
 from offload.activations._schedule import Schedule, plan_forward
@@ -135,6 +135,9 @@ class _LayerCapture:
             step.finish_forward()
             self.steps.append(step)
             self.step = None
+
+
+_dynamo.opaque(_LayerCapture._pack)  # the pack hook: never a frame for dynamo
 
 
 def make_graphed_callables(

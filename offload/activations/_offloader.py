@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
 import offload.activations._attach as _attach
-from offload._core import _context, _device
+from offload._core import _context, _device, _dynamo
 from offload._core._runtime import Runtime
 from offload._core._runtime import enter_no_offload as _enter_no_offload
 from offload._core._runtime import exit_no_offload as _exit_no_offload
@@ -43,6 +44,13 @@ _NOT_CALLED = (
     "offloader:`, so nothing was offloaded. Pass the modules the forward calls (for a "
     "Hugging Face model, offload.find_layers(model)), and run the forward inside the "
     "`with` block."
+)
+
+#: added to _NOT_CALLED once dynamo has compiled something
+_NOT_CALLED_COMPILED = (
+    " Layers wrapped by torch.compile(layer) and run before the offloader first hooked "
+    "them call their compiled code without its hooks: give the offloader the wrappers "
+    "(docs/compile.md)."
 )
 
 
@@ -96,8 +104,8 @@ class ActivationOffloader(LayerCalls):
             group for a later group with the same span sizes, when nothing references
             them any more (else fresh buffers: never corrupt, only lose the reuse).
             Spares are freed when the backward of the forward ends. Default ``False``:
-            PyTorch's caching allocator already recycles those blocks (README,
-            "Double buffering", has the measurement).
+            PyTorch's caching allocator already recycles those blocks
+            (docs/performance.md, "Double buffering", has the measurement).
         tensor_filter: ``callable(tensor) -> bool``; ``False`` keeps a tensor on the
             device (reason ``filtered``). Default ``None``.
         timing: record CUDA-event times of every copy and of every wait of the compute
@@ -258,6 +266,10 @@ class ActivationOffloader(LayerCalls):
             if step.plan.offloaded and not any(g.stats.bytes_offloaded for g in step.groups):
                 message = _nothing_offloaded(step, self._saved_elsewhere)
                 self._warn_once("nothing_offloaded", message)
+            elif self.config.compress is not None and "compress" not in self._warned:
+                note = _nothing_compressed(step, self.config)
+                if note is not None:
+                    self._warn_once("compress", note)
 
     def __enter__(self) -> ActivationOffloader:
         if self._disabled:
@@ -304,7 +316,10 @@ class ActivationOffloader(LayerCalls):
                 # depends only on _calls (set by _end_forward) and the frozen config.
                 self._next = self._make_step()
                 if self._groups_this_entry == 0 and not self._layer_hooks.partial:
-                    self._warn_once("not_called", _NOT_CALLED.format(n=len(self._layers)))
+                    message = _NOT_CALLED.format(n=len(self._layers))
+                    if _dynamo_compiled_something():
+                        message += _NOT_CALLED_COMPILED
+                    self._warn_once("not_called", message)
             else:
                 step.abort()
                 self._unfinished = _prune(self._unfinished)
@@ -539,6 +554,31 @@ def _check_layers(layers: Any, config: OffloadConfig) -> list[torch.nn.Module]:
     return layers
 
 
+def _dynamo_compiled_something() -> bool:
+    """Whether dynamo compiled a frame in this process (without importing it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and bool(utils.counters["frames"].get("ok"))
+
+
+def _nothing_compressed(step: Step, config: OffloadConfig) -> str | None:
+    """Why ``compress`` compressed none of the bytes ``step`` offloaded (a warning's
+    text), or ``None`` when it compressed some, nothing was offloaded, or a
+    ``compress_filter`` chose (its choice, even of nothing, is the caller's)."""
+    stats = step.stats
+    if config.compress_filter is not None or stats.compress_bytes_before:
+        return None
+    if not any(g.stats.bytes_offloaded for g in step.groups):
+        return None
+    sent = ", ".join(sorted(stats.bytes_by_dtype)) or "none"
+    return (
+        f"offload: compress={config.compress!r} compressed nothing in this forward: "
+        f"without a compress_filter it compresses bfloat16 and float16 tensors only, "
+        f"and every offloaded tensor was sent exactly (dtypes: {sent}). Run the layers "
+        f"in bfloat16 or float16 (or under autocast), pass compress_filter=lambda t: "
+        f"True to compress float32 too, or drop compress."
+    )
+
+
 def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
     """Why the layers selected in ``step`` offloaded no byte (a warning's text)."""
     from offload.activations._placement import summary_hint
@@ -568,6 +608,11 @@ def _nothing_offloaded(step: Step, saved_elsewhere: bool) -> str:
         f"offload: {len(step.plan.offloaded)} layer call(s) were selected for "
         f"offloading but no bytes were offloaded; {why}."
     )
+
+
+# the pack hook: never a frame for dynamo, whatever the order of compiled plain and
+# offloaded steps (offload/_core/_dynamo.py)
+_dynamo.opaque(ActivationOffloader._pack)
 
 
 class no_offload(contextlib.ContextDecorator):

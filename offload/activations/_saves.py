@@ -14,7 +14,7 @@ from torch._utils import _flatten_dense_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload.activations._placement as _placement
-from offload._core import _compress, _packing
+from offload._core import _compress, _dynamo, _packing
 from offload._core._host_pool import HostBlock
 from offload._core._runtime import thread_state
 from offload._core._transfer import HostCopy
@@ -608,3 +608,6 @@ class Saves(_SavesState):
         self._flush_d2h(group)
         if group.device_refs and self.backend is not None:
             group.d2h_done = self.backend.record_d2h()
+
+
+_dynamo.opaque(Saves.pack)  # the pack hook: never a frame for dynamo (offload/_core/_dynamo.py)

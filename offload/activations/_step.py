@@ -531,6 +531,7 @@ class Step(Saves, GroupLife):
             stats.bytes_kept = kept
             stats.bytes_offloaded = offloaded
             stats.bytes_released = released
+            stats.synchronous = self.backend is not None and not self.backend.is_async
             pool = self.rt._pool
             if pool is not None:
                 stats.host_pool_bytes = pool.in_use_bytes

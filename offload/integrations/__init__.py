@@ -1,5 +1,5 @@
 """Integrations with other libraries: FSDP2, TransformerEngine, Hugging Face."""
 
-from offload.integrations import fsdp, te
+from offload.integrations import fsdp, hf, te
 
-__all__ = ["fsdp", "te"]
+__all__ = ["fsdp", "hf", "te"]

@@ -231,7 +231,8 @@ class MemoryProfile:
 
     def verdict(self) -> str:
         """One line, e.g. ``saved 4.4 GiB of 5.8 GiB (76%) for +3.1% step time; copies
-        hidden 97%``."""
+        hidden 97%``. Without an accelerator it claims no saving: it says that the
+        schedule ran synchronously and that there is no device memory to save."""
         if self.stats.bytes_offloaded == 0:
             return (
                 "nothing was offloaded (every saved tensor stayed on the device: see the "
@@ -242,6 +243,14 @@ class MemoryProfile:
             if self.activation_bytes_without > 0
             else ""
         )
+        if self.memory_source != "cuda_allocator":  # no accelerator: nothing to save
+            from offload.profiling._render import SYNCHRONOUS
+
+            return (
+                f"{SYNCHRONOUS}; its copies took {format_bytes(self.bytes_saved)} of the "
+                f"{format_bytes(self.activation_bytes_without)}{share} saved per step to "
+                f"host memory, at {100 * (self.time_ratio - 1):+.1f}% step time on this host"
+            )
         text = (
             f"saved {format_bytes(self.bytes_saved)} of "
             f"{format_bytes(self.activation_bytes_without)}{share} for "
@@ -250,8 +259,6 @@ class MemoryProfile:
         hidden = self.copies_hidden
         if hidden is not None:
             text += f"; copies hidden {100 * hidden:.0f}%"
-        elif self.memory_source != "cuda_allocator":
-            text += "; copies synchronous (no accelerator)"
         return text
 
     # ---- conversions ----------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload._core import _measure
+from offload._core import _dynamo, _measure
 from offload.activations._control import Internals
 from offload.profiling._data import MemoryProfile, Timeline
 from offload.profiling._timeline import record_timeline
@@ -69,7 +69,7 @@ def _saved_bytes(step_fn: Callable[[], Any], params: list[torch.Tensor]) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(_dynamo.opaque(pack), lambda t: t):
         step_fn()
     seen.pop(0, None)
     return sum(seen.values())

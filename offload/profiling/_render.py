@@ -25,6 +25,12 @@ __all__ = [
     "stats_summary",
 ]
 
+#: Said once, in place of freed device memory, where the copies ran synchronously
+SYNCHRONOUS = (
+    "no accelerator: the schedule ran synchronously, moving the bytes to host memory as "
+    "it would on a GPU, but there is no device memory to save"
+)
+
 #: What the short headers and the sizes of :func:`layer_table` mean.
 LEGEND = (
     "#: layer call; off: offloaded; sent: bytes sent to host; freed: device bytes freed "
@@ -82,15 +88,20 @@ def layer_table(stats: OffloadStats, title: str) -> Any:
         pad_edge=False,
         padding=(0, 1),
         collapse_padding=True,
+        min_width=min(len(title), 77),  # the title on one line
     )
     timed = any(layer.d2h_seconds is not None for layer in stats.layers)
+    freed = not stats.synchronous  # no device memory to free without an accelerator
     headers = ["#", "off", "sent", "freed", "kept", "reason"]
+    if not freed:
+        headers.remove("freed")
     if timed:
         headers += ["D2H ms", "H2D ms", "stall ms"]
     for name in headers:
         table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
     for layer in stats.layers:
-        table.add_row(*_layer_cells(layer, timed))
+        cells = _layer_cells(layer, timed)
+        table.add_row(*(cells if freed else cells[:3] + cells[4:]))
     totals = [
         "all",
         "",
@@ -99,6 +110,8 @@ def layer_table(stats: OffloadStats, title: str) -> Any:
         short_bytes(sum(stats.bytes_kept.values())),
         "",
     ]
+    if not freed:
+        del totals[3]
     if timed:
         for field in ("d2h_seconds", "h2d_seconds", "stall_seconds"):
             totals.append(ms_text(sum(getattr(la, field) or 0.0 for la in stats.layers)))
@@ -128,7 +141,10 @@ def _layer_cells(layer: LayerStats, timed: bool) -> list[str]:
 def legend(stats: OffloadStats) -> str:
     """The legend line of :func:`layer_table` for ``stats``."""
     timed = any(layer.d2h_seconds is not None for layer in stats.layers)
-    return LEGEND + (_LEGEND_TIMES if timed else "") + "."
+    text = LEGEND
+    if stats.synchronous:
+        text = text.replace("freed: device bytes freed when the layer was released; ", "")
+    return text + (_LEGEND_TIMES if timed else "") + "."
 
 
 def _auto_text(auto: dict | None) -> str:
@@ -161,17 +177,19 @@ def stats_summary(stats: OffloadStats) -> str:
             f"{format_bytes(stats.compress_bytes_after)}, ratio "
             f"{stats.compress_bytes_after / stats.compress_bytes_before:.2f})"
         )
-    return (
-        auto
-        + (
-            f"offloaded {format_bytes(stats.bytes_offloaded)}{packed} "
-            f"(freed {format_bytes(stats.bytes_released)} on the device) in "
-            f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "
-            f"layers; kept {kept or 'nothing'}; host pool {format_bytes(stats.host_pool_bytes)} "
-            f"in use, {format_bytes(stats.host_pool_reserved_bytes)} reserved"
-        )
-        + _recomputed_text(stats)
+    freed = (
+        f" (freed {format_bytes(stats.bytes_released)} on the device)"
+        if not stats.synchronous
+        else " to host memory"
     )
+    text = auto + (
+        f"offloaded {format_bytes(stats.bytes_offloaded)}{packed}{freed} in "
+        f"{sum(1 for la in stats.layers if la.bytes_offloaded)} of {len(stats.layers)} "
+        f"layers; kept {kept or 'nothing'}; host pool {format_bytes(stats.host_pool_bytes)} "
+        f"in use, {format_bytes(stats.host_pool_reserved_bytes)} reserved"
+    )
+    text += _recomputed_text(stats)
+    return text + (f". {SYNCHRONOUS[0].upper()}{SYNCHRONOUS[1:]}." if stats.synchronous else "")
 
 
 def _recomputed_text(stats: OffloadStats) -> str:
@@ -220,9 +238,9 @@ def profile_lines(p: MemoryProfile) -> list[str]:
         )
     else:
         lines.append(
-            f"device memory: not measurable on {p.device}; the saving is the offloader's "
-            f"own accounting (stats.bytes_released = {_gib(p.bytes_saved)} of "
-            f"{_gib(p.activation_bytes_without)} saved for backward, weights excluded)."
+            f"device memory: none to save on {p.device}; the offloader released "
+            f"{_gib(p.bytes_saved)} of the {_gib(p.activation_bytes_without)} a step "
+            f"saves for backward (weights excluded) after copying them to host memory."
         )
     lines.append(
         f"step time (median of {p.steps} after {p.warmup} warm-up, forward + backward): "

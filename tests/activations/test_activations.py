@@ -444,6 +444,11 @@ def test_report_renders(capsys) -> None:
     off.report()
     out = capsys.readouterr().out
     assert "sent to host" in out and "offloaded" in out
+    # on the CPU: says once what ran, and claims no freed device memory
+    flat = " ".join(out.split())
+    assert off.stats.synchronous and flat.count("the schedule ran synchronously") == 1
+    assert "no device memory to save" in flat
+    assert "freed" not in flat
 
 
 def test_a_module_called_twice_is_two_groups() -> None:

@@ -527,6 +527,49 @@ def test_two_threads_two_offloaders_one_model() -> None:
         torch.set_num_threads(threads)
 
 
+def test_one_offloader_entered_from_a_second_thread_raises_there() -> None:
+    """While the main thread is inside ``with off:``, a second thread entering the same
+    ``off`` gets a clear error, and the main thread's step is left intact."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+    x = torch.randn(8, 64)
+    want = step(layers, x, models.run_plain)
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    errors: list[BaseException] = []
+
+    def enter_too() -> None:
+        try:
+            with off:
+                models.run_plain(layers, x)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def between_layers() -> None:
+        other = threading.Thread(target=enter_too)
+        other.start()
+        other.join()
+
+    def runner(ls: Any, h: torch.Tensor) -> torch.Tensor:
+        h = models.run_plain(ls[:2], h)
+        between_layers()  # the second thread tries in the middle of this forward
+        return models.run_plain(ls[2:], h)
+
+    got = step(layers, x, runner, off)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "entered by another thread" in str(errors[0])
+    assert "one offloader is entered by one thread at a time" in str(errors[0])
+    assert_same(got, want)
+    assert off.stats.bytes_offloaded > 0
+    assert off.stats.bytes_reloaded == off.stats.bytes_offloaded
+    # once the main thread has left, another thread may enter it
+    done: list[Any] = []
+    worker = threading.Thread(target=lambda: done.append(step(layers, x, models.run_plain, off)))
+    worker.start()
+    worker.join()
+    assert_same(done[0], want)
+    off.close()
+
+
 # ---- 9. messages that name the cause -------------------------------------------------------
 
 

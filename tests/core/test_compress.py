@@ -8,6 +8,8 @@ config errors, and that ``compress=None`` stays bitwise equal to no offloading.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,33 @@ def test_large_spans_travel_in_chunks(monkeypatch) -> None:
     assert float((out[0][:256] - t[:256]).abs().max()) <= 2.0**-4 * float(
         t[:256].abs().max()
     ) + float(small)
+
+
+def test_fp8_on_a_float32_model_warns_once_naming_compress_and_the_dtypes() -> None:
+    """compress="fp8" on fp32 layers compresses nothing: one warning says so at the
+    first forward, naming the argument and the dtypes it compresses."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(models.LlamaBlock(64, 4, 128) for _ in range(3))
+    x = torch.randn(2, 32, 64)
+    off = offload.ActivationOffloader(
+        layers, offload_layers="all", min_tensor_bytes=0, compress="fp8"
+    )
+    with pytest.warns(UserWarning, match=r"compress='fp8' compressed nothing") as record:
+        step(layers, x, models.run_plain, off)
+    text = str(record[0].message)
+    assert "bfloat16 and float16" in text and "float32" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        step(layers, x, models.run_plain, off)
+    assert off.stats.bytes_offloaded > 0 and off.stats.compress_bytes_before == 0
+    off.close()
+    # bf16 layers compress: no warning
+    bf16 = _bf16_layers(3)
+    packed = offload.ActivationOffloader(
+        bf16, offload_layers="all", min_tensor_bytes=0, compress="fp8"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(bf16, x.bfloat16(), models.run_plain, packed)
+    assert packed.stats.compress_bytes_before > 0
+    packed.close()

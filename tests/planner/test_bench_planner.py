@@ -24,6 +24,7 @@ def bench():
         sys.path.remove(str(ROOT))
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_smoke_run_measures_each_budget_against_no_lever_in_blocks(bench, tmp_path) -> None:
     out = tmp_path / "p.json"
     bench.main(

@@ -26,6 +26,7 @@ def bench():
         sys.path.remove(str(BENCH))
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_smoke_run(bench, tmp_path) -> None:
     out = tmp_path / "p.json"
     argv = ["--quick", "--device", "cpu", "--out", str(out), "--cases", "ref-8L"]

@@ -107,6 +107,7 @@ def test_infeasible_budget_names_the_smallest() -> None:
         optimize(c, 1.0)
 
 
+@pytest.mark.slow  # 96 brute-force searches of 6^5 plans: `-m slow`
 def test_search_matches_brute_force_on_equal_layers() -> None:
     """The search (family, then hill climbing) is a heuristic: on random costs of 5
     equal layers it returns the fastest of all 6^5 assignments in nearly every case and
@@ -451,13 +452,30 @@ def test_budget_argument_checks() -> None:
         _plan_module._budget_bytes(0, 1000.0)
 
 
-def test_plan_needs_a_model_and_cuda() -> None:
+def test_plan_checks_model_and_needs_cuda() -> None:
     model = _ref_model()
-    with pytest.raises(ValueError, match="model must be"):
-        offload.plan(lambda: None, model.layers, budget=0.5)
+    with pytest.raises(TypeError, match="model must be the nn.Module"):
+        offload.plan(lambda: None, model.layers, budget=0.5, model="model")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            offload.plan(lambda: None, model.layers, budget=0.5, model=model)
+        for kw in ({}, {"model": model}):  # DESIGN's call, and with the model given
+            with pytest.raises(RuntimeError, match="needs a CUDA device"):
+                offload.plan(lambda: None, model.layers, budget=0.5, **kw)
+
+
+def test_plan_finds_the_model_whose_forward_runs_the_layers() -> None:
+    """``offload.plan(step, layers, budget=...)`` as the README shows it: the model is
+    the outermost module whose forward is in progress at every layer call."""
+    from offload._planner.fit import find_model
+
+    model = _ref_model()
+    x = torch.randn(2, 8, 64)
+    assert find_model(lambda: model.loss(x).backward(), model.layers) is model
+    outer = torch.nn.Sequential(model)  # a wrapper: the outermost call is the one
+    assert find_model(lambda: outer(x).sum().backward(), model.layers) is outer
+    with pytest.raises(ValueError, match="model: step_fn calls the layers outside.*model="):
+        find_model(lambda: [layer(x) for layer in model.layers], model.layers)
+    with pytest.raises(ValueError, match="model: step_fn called none of the layers"):
+        find_model(lambda: None, model.layers)
 
 
 def test_cli_plan_flags(capsys) -> None:
@@ -800,7 +818,8 @@ def test_plan_of_a_step_that_takes_gradients_by_autograd_grad(monkeypatch) -> No
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
 
-    chosen = offload.plan(step, model.layers, budget=0.5, model=model, min_tensor_bytes=0, steps=1)
+    # the model is found by running step (DESIGN's signature: no model=)
+    chosen = offload.plan(step, model.layers, budget=0.5, min_tensor_bytes=0, steps=1)
     configs = chosen.measured["configs"]
     assert "checkpoint (non_reentrant)" in configs and "checkpoint (reentrant)" not in configs
     assert chosen.recompute == "non_reentrant"
@@ -995,6 +1014,7 @@ def test_memory_model_matches_its_definition(seed: int) -> None:
         assert c.raw_memory(levers) == pytest.approx(_raw_memory_by_definition(c, levers))
 
 
+@pytest.mark.slow  # every family of 20 layers searched: `-m slow`
 def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
     """Beyond ``_FULL_SEARCH`` layers the counts of each lever are tried on a stride,
     then every count near the fastest families (so that 80 layers take seconds, not

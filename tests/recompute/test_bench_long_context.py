@@ -26,6 +26,7 @@ def bench():
         sys.path.remove(str(ROOT))
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_quick_run_one_process_per_configuration(bench, tmp_path, capsys) -> None:
     out = tmp_path / "lc.json"
     methods = "none,ours-ckpt-head-tile,trl-offload,hf-ckpt-offload"
@@ -50,6 +51,7 @@ def test_quick_run_one_process_per_configuration(bench, tmp_path, capsys) -> Non
     assert "| llama-1b | ours-ckpt-head-tile | 64 |" in printed
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_longest_doubles_until_max_seq(bench, tmp_path) -> None:
     out = tmp_path / "longest.json"
     args = ["--quick", "--device", "cpu", "--models", "llama-1b", "--methods", "ours-ckpt-head"]

@@ -595,6 +595,7 @@ def test_hf_default_offloader_and_reentrant_refused() -> None:
 # ---- the benchmark's CPU smoke mode -------------------------------------------------------
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_bench_checkpoint_quick_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")

@@ -119,3 +119,32 @@ def test_per_layer_compile_bitwise(form: str, frozen: bool, grads: str) -> None:
 @pytest.mark.parametrize(("frozen", "grads"), CASES)
 def test_per_layer_compile_inductor_cuda(form: str, frozen: bool, grads: str) -> None:
     check(form, "inductor", "cuda", torch.bfloat16, frozen, grads)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_offloader_made_after_plain_compiled_steps(form: str) -> None:
+    """Plain steps of the compiled layers first (a warm-up, an evaluation), the
+    WeightOffloader made afterwards: its hooks never become frames for dynamo, and the
+    steps stay bitwise equal to the same compiled layers without it."""
+
+    def run(offloaded: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        layers = llama(3, "cpu", torch.float32, False)
+        calls = compiled_calls(layers, form, "aot_eager")
+        g = torch.Generator().manual_seed(1)
+        got, off = [], None
+        for i in range(3):
+            if i == 1 and offloaded:
+                off = offload.WeightOffloader(layers)
+            x = torch.randn(2, 16, DIM, generator=g).requires_grad_(True)
+            y = x
+            for call in calls:
+                y = call(y)
+            y.float().square().mean().backward()
+            got += [y.detach(), x.grad, *weight_grads(layers, off)]
+        if off is not None:
+            assert off.refills == 2 * (2 * len(layers) - 1)  # something was offloaded
+            off.close()
+        return got
+
+    assert_bitwise(run(True), run(False))

@@ -43,6 +43,7 @@ def test_verifying_steps_of_auto_are_left_out() -> None:
     assert got["ratio"] is not None and got["ratio_of_medians"] is not None
 
 
+@pytest.mark.slow  # a benchmark or launcher run end to end: `-m slow`
 def test_quick_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     out = tmp_path / "auto.json"
     argv = ["bench_auto.py", "--quick", "--device", "cpu", "--runs", "1", "--rounds", "3",
