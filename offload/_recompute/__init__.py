@@ -1,1 +1,1 @@
-"""Recompute: offloaded checkpointing and its calls, reentrant recompute, the head and loss in slices, tiled blocks."""
+"""Recompute levers: offloaded checkpoints, reentrant recompute, sliced head loss, tiled blocks."""
