@@ -100,7 +100,10 @@ def test_default_trains_from_its_first_step_with_memory_between_none_and_all() -
         assert runs[0]["step"] == "probe" and runs[0]["offloaded"] == list(range(len(layers) - 1))
         for auto in runs[1:]:
             floor = auto["memory"]["floor"]
-            assert floor > 0 and len(auto["offloaded"]) >= floor, auto
+            # memory's need met by offloading, or by recomputed calls with their inputs
+            # offloaded (Note [recomputed calls])
+            met = len(auto["offloaded"]) + len(auto.get("recomputed", []))
+            assert floor > 0 and met >= floor, auto
             if floor > auto["time_offloaded"]:
                 assert auto["memory_reason"] and "memory" in off.stats.summary()
         off.close()
