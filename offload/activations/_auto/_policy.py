@@ -178,13 +178,12 @@ def _recompute_split(
         if total > room:
             break
         host_k += 1
-    forced = decision.memory_reason is not None
-    if not forced and k <= host_k:
-        return k, ()
-    if not forced:
-        # the host holds fewer calls than the link hides: is memory still fine
-        # with the rest resident? (the floor is what memory needs)
+    if decision.memory_reason is None:  # memory needs no more than the link hides
+        if k <= host_k:
+            return k, ()
         if decision.memory_offloaded <= host_k:
+            # the host holds fewer calls than the link hides, and memory (its floor)
+            # still fits with the rest resident
             return host_k, ()
     d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
     inf = float("inf")
