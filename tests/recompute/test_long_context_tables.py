@@ -1,0 +1,65 @@
+"""``benchmarks/longctx/render.py``: the long-context tables of README.md and
+docs/long-context.md are the ones its results files give (and it renders rows of every
+status)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def render():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.longctx import render
+
+        yield render
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_pages_match_the_results_files(render) -> None:
+    if not (render.RESULTS / "long_context.json").is_file():
+        pytest.skip("benchmarks/results/long_context.json not measured yet")
+    assert render.main(["--check"]) == 0, "run python3 benchmarks/longctx/render.py"
+
+
+def test_tables_name_the_card_and_every_outcome(render) -> None:
+    def row(method, seq, status="ok", **extra):
+        base = {"model": "llama-8b-lora", "method": method, "seq": seq, "status": status}
+        if status == "ok":
+            base |= {"step_ms": 1000.0, "tokens_per_s": seq / 1.0, "activation_peak_gib": 3.0,
+                     "host_peak_gib": 9.0}  # fmt: skip
+        return base | extra
+
+    fixed = {
+        "command": ["bench_long_context.py", "--seqs", "16384,32768"],
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "rows": [row("hf-ckpt", 16384), row("hf-ckpt", 32768, "oom", reason="x"),
+                 row("ours-ckpt-head", 16384), row("ours-ckpt-head", 32768),
+                 row("trl-offload", 16384, "skipped", reason="trl is not installed"),
+                 row("trl-offload", 32768, "skipped", reason="trl is not installed")],
+    }  # fmt: skip
+    longest = {
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "rows": [{"model": "llama-8b-lora", "method": "ours-ckpt-head", "longest_seq": 131072,
+                  "tokens_per_s_at_longest": 5000.0, "activation_peak_gib_at_longest": 9.5,
+                  "host_peak_gib_at_longest": 70.0, "stopped_by": "killed"}],
+    }  # fmt: skip
+    head = render.headline(fixed, longest)
+    assert "one NVIDIA H100 80GB HBM3" in head
+    assert "| HF checkpointing | 16384 | 3.0 | OOM | OOM | - |" in head
+    assert (
+        "| **`offload_checkpointing` + `sliced_head_loss`** | 16384 | 3.0 | 32768 | 3.0 | 131,072 |"
+        in head
+    )
+    assert "TRL" not in head  # skipped everywhere: not a row
+    body = render.full(fixed, longest)
+    assert "Not run: trl-offload (trl is not installed)" in body
+    assert "| host memory (process killed) |" in body
+    assert "| llama-8b-lora | 32768 | HF checkpointing | OOM |" in body
