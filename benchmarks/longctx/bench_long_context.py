@@ -26,15 +26,52 @@ kwargs={"use_reentrant": False})``); ``hf-ckpt-offload`` (the same with
 ``offload=True``, where the installed transformers has it); ``ours-default``
 (``ActivationOffloader(find_layers(model))``, "auto"); ``ours-ckpt``
 (``offload_checkpointing``); ``ours-ckpt-head`` (+ ``sliced_head_loss``);
-``ours-ckpt-head-tile`` (+ ``tile_mlp``); peers, when importable: ``trl-offload`` and
-``trl-offload-ckpt`` (TRL's ``get_act_offloading_ctx_manager`` entered around forward
-and backward, as its trainer does, without and with HF checkpointing),
-``deepspeed-ckpt-offload`` (``CheckpointHiddenStatesOffload`` around forward and
-backward + HF checkpointing), ``unsloth-zoo`` and ``unsloth-zoo-nofused``
-(``patch_unsloth_smart_gradient_checkpointing`` + HF reentrant checkpointing, with
-``UNSLOTH_FUSED_FORWARD`` 1 and 0). A peer that is not installed is recorded as skipped
-with the reason; the peer adapters follow each package's documented entry point and have
-not been run on the CPU machine this script was written on.
+``ours-ckpt-head-tile`` (+ ``tile_mlp``); peers (``--methods`` names; each row records
+``peer``, ``peer_version`` and ``loaded_as``):
+
+- ``trl-offload`` / ``trl-offload-ckpt`` (TRL 1.16): one
+  ``trl.models.activation_offloading.get_act_offloading_ctx_manager(model)`` entered
+  around forward and backward of every step, as ``SFTTrainer.training_step`` does;
+  without / with HF non-reentrant checkpointing. Loaded as
+  ``import trl.models.activation_offloading`` (trl's top level is lazy).
+- ``deepspeed-ckpt-offload`` (DeepSpeed 0.19.8): HF non-reentrant checkpointing + one
+  ``CheckpointHiddenStatesOffload()`` (``deepspeed.runtime.activation_checkpointing.
+  offload_activations``) entered around forward and backward: each checkpointed decoder
+  layer's input goes to pinned host memory. ``import deepspeed`` whole (no ops built; no
+  ``deepspeed.comm`` set up: none of these calls need it).
+- ``deepspeed-ckpt-offload-tiled``: the same + DeepSpeed's long-sequence tiling from
+  ``deepspeed/runtime/sequence_parallel/ulysses_sp.py`` as ALST uses it on one GPU:
+  every ``LlamaMLP.forward`` through ``TiledMLP`` (``ceil(seq / hidden)`` shards) and
+  the loss through ``TiledFusedLogitsLoss`` on the decoder's last hidden state (about
+  1 GiB of fp32 logits per shard, ``"sum"`` of per-shard ``loss_function(...,
+  shift_labels=...)`` times its label count, divided by the label count).
+- ``unsloth-zoo`` / ``unsloth-zoo-nofused`` (unsloth_zoo 2026.10.9):
+  ``patch_unsloth_smart_gradient_checkpointing(dtype)`` + HF reentrant checkpointing
+  (its ``UnslothCheckpointFunction``: layer inputs offloaded to pinned host buffers);
+  ``unsloth-zoo`` also has its fused LM-head cross-entropy: ``unsloth_zoo.fused_losses.
+  forward_install`` rewrites ``LlamaForCausalLM.forward`` (its AST "triplet" rewrite, the
+  install ``import unsloth_zoo`` does on an accelerator when ``UNSLOTH_FUSED_FORWARD`` is
+  not ``0``) so that the loss is ``unsloth_fused_lm_head_loss(hidden_states, lm_head,
+  labels)``, i.e. ``unsloth_fused_ce_loss``: chunked, gradients computed in the forward,
+  no full logits (``outputs.logits`` is empty); ``-nofused`` sets
+  ``UNSLOTH_FUSED_FORWARD=0`` before the import, so HF's forward and loss stay. Loaded as
+  ``import unsloth_zoo`` whole; its ``__init__`` refuses to load unless the ``unsloth``
+  package is findable and ``UNSLOTH_IS_PRESENT`` is set, so where ``unsloth`` is not
+  installed an empty stand-in module named ``unsloth`` answers that check (nothing of
+  ``unsloth`` itself runs: no ``FastLanguageModel``, no Unsloth model patches).
+
+A peer that is not installed is recorded as skipped with the reason; one that fails
+(on a CPU: TRL's streams, unsloth_zoo's pinned buffers) is an ``error`` row with it.
+``benchmarks/longctx/check_peers.py`` prints, in seconds, whether each peer loads.
+Where there is no network, the peers come as wheels in ``.whl/`` (ignored by git)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \\
+        --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+
+with trl 1.16.0, unsloth_zoo 2026.10.9, deepspeed 0.19.8 (a ``py3-none-any`` wheel
+built from its sdist with ``DS_BUILD_OPS=0``) and what ``import deepspeed`` needs beyond
+torch's usual company: hjson, pydantic, pydantic_core (cp312), annotated_types,
+typing_inspection.
 
 One process per configuration: the parent runs ``python3 <this script> --worker ...``
 for each (model, method, length) and reads back its JSON. Per configuration: the median
@@ -55,15 +92,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.machinery
 import importlib.util
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,6 +126,7 @@ METHODS = (
     "trl-offload",
     "trl-offload-ckpt",
     "deepspeed-ckpt-offload",
+    "deepspeed-ckpt-offload-tiled",
     "unsloth-zoo",
     "unsloth-zoo-nofused",
 )
@@ -94,6 +136,7 @@ PEER_PACKAGES = {
     "trl-offload": "trl",
     "trl-offload-ckpt": "trl",
     "deepspeed-ckpt-offload": "deepspeed",
+    "deepspeed-ckpt-offload-tiled": "deepspeed",
     "unsloth-zoo": "unsloth_zoo",
     "unsloth-zoo-nofused": "unsloth_zoo",
 }
@@ -151,8 +194,9 @@ def build_model(name: str, seq: int, device: torch.device, quick: bool) -> torch
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The ``LlamaForCausalLM`` (inside a PEFT wrapper or not)."""
-    for module in model.modules():
-        if type(module).__name__.endswith("ForCausalLM"):
+    for module in model.modules():  # PEFT's PeftModelForCausalLM is the wrapper, not it
+        cls = type(module)
+        if cls.__name__.endswith("ForCausalLM") and not cls.__module__.startswith("peft"):
             return module
     raise TypeError(f"no *ForCausalLM in {type(model).__name__}")
 
@@ -180,11 +224,148 @@ def hf_offload_supported() -> bool:
     return False
 
 
+# ---- peers: imported as their users load them ------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def import_peer(method: str) -> dict[str, Any]:
+    """Import the package ``method`` runs the way its users load it.
+
+    Returns:
+        Facts for the row: ``peer`` (the package), ``peer_version`` and ``loaded_as``
+        (how it was imported, where that is not a plain ``import <package>``).
+
+    Raises:
+        ImportError: the package (or one it needs) is not installed.
+    """
+    package = PEER_PACKAGES[method]
+    facts: dict[str, Any] = {"peer": package}
+    if package == "trl":
+        # trl's top level is lazy: this loads trl/__init__ and the one module, as
+        # SFTTrainer's own `from ..models.activation_offloading import ...` does.
+        import trl.models.activation_offloading  # noqa: F401
+
+        facts["loaded_as"] = "import trl.models.activation_offloading (trl's lazy top level)"
+    elif package == "deepspeed":
+        import deepspeed  # noqa: F401
+
+        facts["loaded_as"] = "import deepspeed (whole package, no ops built)"
+    elif package == "unsloth_zoo":
+        # unsloth_zoo/__init__ refuses to load unless the `unsloth` package is findable
+        # and UNSLOTH_IS_PRESENT is set (`import unsloth` sets it, then imports
+        # unsloth_zoo). `unsloth` itself (its FastLanguageModel, its model patches) is
+        # not used here: an empty stand-in answers the find_spec check where it is missing.
+        os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
+        stub = getattr(sys.modules.get("unsloth"), "stand_in", False)
+        if stub or importlib.util.find_spec("unsloth") is None:
+            if not stub:
+                module = types.ModuleType("unsloth")
+                module.__spec__ = importlib.machinery.ModuleSpec("unsloth", None, is_package=True)
+                module.__path__, module.stand_in = [], True
+                sys.modules["unsloth"] = module
+            facts["loaded_as"] = (
+                "import unsloth_zoo (whole package) with UNSLOTH_IS_PRESENT=1 and an empty "
+                "stand-in `unsloth` module (unsloth not installed)"
+            )
+        else:
+            import unsloth  # noqa: F401  (as users load it: unsloth first)
+
+            facts["loaded_as"] = "import unsloth; import unsloth_zoo"
+        import unsloth_zoo  # noqa: F401
+    else:
+        raise NotImplementedError(f"{method!r} is not a peer method")
+    facts["peer_version"] = getattr(sys.modules[package], "__version__", None) or _version(package)
+    return facts
+
+
+def _unsloth_fused_forward(forward_install: Any, cls: type) -> dict[str, Any]:
+    """Install unsloth_zoo's fused LM-head cross-entropy forward on ``cls``.
+
+    ``import unsloth_zoo`` runs ``install_modeling_import_hook()`` itself on an
+    accelerator (not on a CPU backend), which rewrites the ``forward`` of every
+    ``*ForCausalLM`` class already imported or imported later; called here as well, so
+    that the CPU runs the same code, and checked: the class must be patched.
+
+    Raises:
+        NotImplementedError: the installer left ``cls`` alone (the reason it gives).
+    """
+    forward_install.install_modeling_import_hook()
+    forward_install.install_for_class(cls)
+    audit = forward_install.audit()
+    name = cls.__qualname__
+    patched = audit["patched"].get(name)
+    if patched is None:
+        reason = audit["unmatched"].get(name) or audit["failed"].get(name) or "not patched"
+        raise NotImplementedError(f"unsloth_zoo's fused forward skipped {name}: {reason}")
+    return {"tier": patched.get("tier"), "head_attr": patched.get("head_attr")}
+
+
+def _deepspeed_tiling(causal: torch.nn.Module, quick: bool) -> dict[str, Any]:
+    """DeepSpeed's long-sequence tiling on an HF Llama, as ALST (Arctic Long Sequence
+    Training) sets it up on one GPU: every ``LlamaMLP.forward`` runs through
+    ``TiledMLP`` (``ceil(seq / hidden)`` shards, the example in its docstring) and the
+    causal LM's loss through ``TiledFusedLogitsLoss`` over the decoder's last hidden
+    state (``output_reduction="sum"``, about 1 GiB of fp32 logits per shard, each shard
+    ``loss_function(..., shift_labels=...) * its label count``, the sum divided by the
+    labels: ArcticTraining's SFT loss without the sequence-parallel gather).
+    ``quick``: shards of 16 tokens for both, so that the tiny sequences are tiled.
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def tiled_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        seqlen, hidden = x.shape[-2], x.shape[-1]
+        shards = math.ceil(seqlen / (16 if quick else hidden))
+        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+        return TiledMLP.apply(mlp_forward, self, x, shards, params)
+
+    mlps = [m for m in causal.modules() if type(m).__name__ == "LlamaMLP"]
+    for mlp in mlps:
+        mlp.forward = types.MethodType(tiled_mlp_forward, mlp)
+
+    vocab = causal.config.vocab_size
+
+    def shard_loss(head: torch.nn.Module, hidden: torch.Tensor, shift: torch.Tensor):
+        logits = head.lm_head(hidden)
+        if (shift == -100).all():
+            return (logits.sum() * 0.0).float()
+        loss = head.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=shift)
+        return loss * (shift != -100).sum()
+
+    def forward(input_ids=None, labels=None, **kwargs: Any) -> Any:
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k != "return_dict"}
+        hidden = causal.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        if labels is None:
+            return CausalLMOutputWithPast(logits=causal.lm_head(hidden))
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        bs, seqlen = shift.shape
+        shards = math.ceil(seqlen / 16) if quick else math.ceil(bs * seqlen * vocab * 4 / 2**30)
+        total = TiledFusedLogitsLoss.apply(
+            shard_loss, causal, hidden, shift, None, shards, [causal.lm_head.weight], "sum"
+        )
+        return CausalLMOutputWithPast(loss=total / (shift != -100).sum())
+
+    causal.forward = forward  # a PEFT wrapper calls the instance's forward
+    return {"tiled_mlps": len(mlps), "tiled_loss": "TiledFusedLogitsLoss"}
+
+
 def apply_method(
-    method: str, model: torch.nn.Module, quick: bool = False
+    method: str, model: torch.nn.Module, quick: bool = False, info: dict | None = None
 ) -> tuple[Callable[[], Any], bool, dict]:
     """Set ``method`` up on ``model`` (``quick``: tiles of 16 tokens, so that the tiny
-    sequences of ``--quick`` are tiled).
+    sequences of ``--quick`` are tiled; ``info``: filled with the facts for the row as
+    they are known, so that a failure part-way keeps them).
 
     Returns:
         ``(context, around_backward, info)``: a factory of the context each step's
@@ -197,7 +378,7 @@ def apply_method(
     from offload.integrations.hf import offload_checkpointing
 
     causal = causal_lm(model)
-    info: dict[str, Any] = {}
+    info = {} if info is None else info
     if method == "none":
         return contextlib.nullcontext, False, info
     if method == "hf-ckpt":
@@ -222,24 +403,38 @@ def apply_method(
             offload.tile_mlp(causal, tile_tokens=16 if quick else "auto")
         return contextlib.nullcontext, False, info
     if method.startswith("trl-offload"):
+        info.update(import_peer(method))
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
         if method == "trl-offload-ckpt":
             _hf_checkpointing(causal)
-        return lambda: get_act_offloading_ctx_manager(model), True, info
-    if method == "deepspeed-ckpt-offload":
+        # One manager for the run, entered around every step, as SFTTrainer does (it is
+        # built once: building it registers hooks on the LM head).
+        manager = get_act_offloading_ctx_manager(model)
+        return lambda: manager, True, info
+    if method.startswith("deepspeed-ckpt-offload"):
+        info.update(import_peer(method))
         from deepspeed.runtime.activation_checkpointing.offload_activations import (
             CheckpointHiddenStatesOffload,
         )
 
         _hf_checkpointing(causal)
-        return CheckpointHiddenStatesOffload, True, info
+        if method.endswith("-tiled"):
+            info.update(_deepspeed_tiling(causal, quick))
+        hidden_offload = CheckpointHiddenStatesOffload()  # its pinned buffer pool lives on
+        return lambda: hidden_offload, True, info
     if method.startswith("unsloth-zoo"):
-        # Read when unsloth_zoo is imported: its fused LM-head loss is on unless "0".
-        os.environ["UNSLOTH_FUSED_FORWARD"] = "0" if method.endswith("nofused") else "1"
-        os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
+        fused = not method.endswith("nofused")
+        # Read by unsloth_zoo's fused-forward installer (on unless "0").
+        os.environ["UNSLOTH_FUSED_FORWARD"] = "1" if fused else "0"
+        info.update(import_peer(method))
+        from unsloth_zoo.fused_losses import forward_install
         from unsloth_zoo.gradient_checkpointing import patch_unsloth_smart_gradient_checkpointing
 
+        if fused:
+            info["fused_forward"] = _unsloth_fused_forward(forward_install, type(causal))
+        elif forward_install.audit()["patched"].get(type(causal).__qualname__):
+            raise NotImplementedError("UNSLOTH_FUSED_FORWARD=0 but the fused forward is on")
         patch_unsloth_smart_gradient_checkpointing(dtype=next(causal.parameters()).dtype)
         _hf_checkpointing(causal, reentrant=True)
         return contextlib.nullcontext, False, info
@@ -320,10 +515,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration; every outcome is a row (never raises on OOM)."""
     device = torch.device(args.device)
     row: dict[str, Any] = {"model": args.model, "method": args.method, "seq": args.seq}
+    info: dict[str, Any] = {}
     with host_high_water() as host:
         try:
             model = build_model(args.model, args.seq, device, args.quick)
-            context, around_backward, info = apply_method(args.method, model, args.quick)
+            context, around_backward, info = apply_method(args.method, model, args.quick, info)
             vocab = causal_lm(model).config.vocab_size
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, vocab, (1, args.seq), generator=g).to(device)
@@ -339,10 +535,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             row.update(status="oom", reason=str(exc).split("\n")[0][:300])
         except (ImportError, NotImplementedError) as exc:
             row.update(status="skipped", reason=f"{type(exc).__name__}: {exc}"[:300])
-        except RuntimeError as exc:
-            if "out of memory" not in str(exc).lower():  # cuBLAS/cuDNN allocation failures
-                raise
-            row.update(status="oom", reason=str(exc).split("\n")[0][:300])
+        except Exception as exc:
+            text = str(exc).strip()
+            if isinstance(exc, RuntimeError) and "out of memory" in text.lower():
+                row.update(status="oom", reason=text.split("\n")[0][:300])  # cuBLAS/cuDNN
+            else:  # a row, not a crash: the reason in it, the traceback on stderr
+                traceback.print_exc()
+                row.update(status="error", reason=f"{type(exc).__name__}: {text}"[:400])
+    row.update({k: v for k, v in info.items() if k != "offloader"})  # peer, version, ...
     row["host_peak_gib"] = host["peak_gib"]
     if device.type == "cuda":
         row["device_name"] = torch.cuda.get_device_name(device)
