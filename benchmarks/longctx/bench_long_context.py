@@ -84,7 +84,12 @@ host out of memory the kernel kills the process), ``timeout`` or ``error``.
 ``--longest`` doubles the length from 16,384 (3 steps, no warm-up) until a method
 fails or passes ``--max-seq``. Prints a table; ``--out`` is rewritten after every
 configuration, so a run cut short keeps the rows it finished. Where a device limits
-each command's time, split the run with ``--models``, ``--methods`` and ``--seqs``.
+each command's time, split the run with ``--models``, ``--methods`` and ``--seqs`` and
+pass ``--append`` to collect the parts in one file (a configuration measured again
+replaces its row). The tables of README.md and docs/long-context.md are rendered from
+``benchmarks/results/long_context.json`` by ``benchmarks/longctx/render.py``, which
+takes each method's longest length from its rows: the longest that trained, and what
+stopped the next one tried.
 """
 
 from __future__ import annotations
@@ -672,6 +677,10 @@ def longest_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["model"], row["method"], row.get("seq")
+
+
 def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
@@ -693,6 +702,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     p.add_argument("--quick", action="store_true", help="tiny models (CPU smoke run)")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows already in --out (one measured again is replaced)",
+    )
     # the child's arguments
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -718,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = _names(args.methods, METHODS, "--methods")
     seqs = [int(s) for s in (args.seqs or ("64" if args.quick else "16384,32768")).split(",")]
     rows: list[dict[str, Any]] = []
+    if args.append and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f)["rows"]  # a row measured again below replaces its old one
     if args.longest:
         for model in models:
             for method in methods:
@@ -728,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
         for model in models:
             for seq in seqs:
                 for method in methods:
-                    rows.append(spawn(args, model, method, seq, args.warmup, args.steps))
-                    print(_line(rows[-1]), flush=True)
+                    row = spawn(args, model, method, seq, args.warmup, args.steps)
+                    rows = [r for r in rows if _key(r) != _key(row)] + [row]
+                    print(_line(row), flush=True)
                     results("long_context", args, rows)  # a cut-off run keeps its rows
         print(table(rows))
     results("long_context_longest" if args.longest else "long_context", args, rows)

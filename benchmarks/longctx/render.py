@@ -5,11 +5,11 @@ Commands (from the repository root)::
     python3 benchmarks/longctx/render.py           # rewrite the tables in both files
     python3 benchmarks/longctx/render.py --check   # exit 1 where a table is out of date
 
-Reads ``benchmarks/results/long_context.json`` (rows at fixed lengths) and
-``benchmarks/results/long_context_longest.json`` (``--longest``), both written by
-``bench_long_context.py``. Each table sits between ``<!-- long_context:NAME -->`` and
+Reads ``benchmarks/results/long_context.json`` (written by ``bench_long_context.py``,
+its parts collected with ``--append``); a method's longest length is the longest of its
+rows that trained, and the next length tried says what stopped it. Each table sits between ``<!-- long_context:NAME -->`` and
 ``<!-- /long_context:NAME -->`` in the page: ``headline`` (README.md: per model, tokens/s
-and activation peak at each length, the longest sequence) and ``full`` (the docs page:
+and activation peak at 16k and 32k tokens, the longest length) and ``full`` (the docs page:
 every row with step time, the ratio to the fastest method at each length, host memory
 and status).
 """
@@ -75,49 +75,72 @@ def _card(doc: dict[str, Any]) -> str:
     return str(env.get("gpu") or env.get("device") or "unknown device")
 
 
-def headline(fixed: dict[str, Any], longest: dict[str, Any] | None) -> str:
-    """Per model: tokens/s and activation peak at each length, and the longest sequence."""
-    rows = fixed["rows"]
-    seqs = sorted({r["seq"] for r in rows})
-    best = {(r["model"], r["method"]): r for r in (longest or {}).get("rows", [])}
-    out = [f"Measured on one {_card(fixed)}; tokens/s (higher is better) and activation "
-           "peak in GiB (lower is better), one process per configuration."]  # fmt: skip
+def _longest(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (model, method): the longest length that trained (its row) and the outcome of
+    the next length tried (``None`` where none longer was tried)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for key in dict.fromkeys((r["model"], r["method"]) for r in rows):
+        tried = sorted(
+            (r for r in rows if (r["model"], r["method"]) == key), key=lambda r: r["seq"]
+        )
+        ok = [r for r in tried if r.get("status") == "ok"]
+        best = ok[-1] if ok else None
+        after = [r for r in tried if best is None or r["seq"] > best["seq"]]
+        out[key] = {"best": best, "next": after[0] if after else None}
+    return out
+
+
+def _stopped(entry: dict[str, Any]) -> str:
+    nxt = entry["next"]
+    if nxt is None:
+        best = entry["best"]
+        return f"not tried past {best['seq']:,}" if best else "-"
+    status = {"oom": "device OOM", "killed": "host memory (killed)"}.get(
+        nxt["status"], nxt["status"]
+    )
+    return f"{status} at {nxt['seq']:,}"
+
+
+def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in doc["rows"] if r.get("status") != "skipped"]
+
+
+def headline(doc: dict[str, Any], seqs: tuple[int, ...] = (16384, 32768)) -> str:
+    """Per model: tokens/s and activation peak at ``seqs``, and the longest sequence."""
+    rows = _rows(doc)
+    longest = _longest(rows)
+    out = [f"Measured on one {_card(doc)}: tokens/s (higher is better) and activation "
+           "peak in GiB (lower is better) per length, and the longest length that trained "
+           "3 steps; batch 1, one process per configuration."]  # fmt: skip
     for model in dict.fromkeys(r["model"] for r in rows):
-        head = ["method"] + [f"{s // 1024}k tok/s | {s // 1024}k GiB" for s in seqs]
-        if best:
-            head.append("longest")
+        head = ["method"] + [f"{s // 1024}k tok/s | {s // 1024}k GiB" for s in seqs] + ["longest"]
         out += ["", f"**{MODEL_LABELS.get(model, model)}**", "",
-                "| " + " | ".join(head) + " |",
-                "|---" * (1 + 2 * len(seqs) + bool(best)) + "|"]  # fmt: skip
+                "| " + " | ".join(head) + " |", "|---" * (2 + 2 * len(seqs)) + "|"]  # fmt: skip
         for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
             at = {r["seq"]: r for r in rows if r["model"] == model and r["method"] == method}
-            if all(at.get(s, {}).get("status") == "skipped" for s in seqs):
-                continue
             cells = [_label(method)]
             for s in seqs:
                 cells += [_cell(at.get(s), "tokens_per_s", ".0f"),
                           _cell(at.get(s), "activation_peak_gib", ".1f")]  # fmt: skip
-            if best:
-                b = best.get((model, method))
-                cells.append("-" if not b or not b.get("longest_seq") else f"{b['longest_seq']:,}")
+            best = longest[(model, method)]["best"]
+            cells.append(f"{best['seq']:,}" if best else "-")
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def full(fixed: dict[str, Any], longest: dict[str, Any] | None) -> str:
-    """Every row: step time, tokens/s, its ratio to the fastest at that length, peaks."""
-    rows = fixed["rows"]
+def full(doc: dict[str, Any]) -> str:
+    """Every row: step time, tokens/s, its ratio to the fastest at that length, peaks;
+    then each method's longest length and what stopped the next."""
+    rows = _rows(doc)
     fastest: dict[tuple[str, int], float] = {}
     for r in rows:
         if r.get("status") == "ok":
             key = (r["model"], r["seq"])
             fastest[key] = max(fastest.get(key, 0.0), r["tokens_per_s"])
-    out = [f"Measured on one {_card(fixed)} (`{' '.join(fixed.get('command', [])[1:])}`).", "",
+    out = [f"Measured on one {_card(doc)}.", "",
            "| model | seq | method | step ms | tokens/s | vs fastest | activation peak GiB | host peak GiB |",
            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        if r.get("status") == "skipped":
-            continue
+    for r in sorted(rows, key=lambda r: (r["model"], r["seq"])):
         ok = r.get("status") == "ok"
         ratio = r["tokens_per_s"] / fastest[(r["model"], r["seq"])] if ok else None
         out.append(
@@ -125,36 +148,28 @@ def full(fixed: dict[str, Any], longest: dict[str, Any] | None) -> str:
             f"| {_cell(r, 'tokens_per_s', '.0f')} | {'-' if ratio is None else format(ratio, '.2f')} "
             f"| {_cell(r, 'activation_peak_gib', '.2f')} | {_cell(r, 'host_peak_gib', '.1f')} |"
         )
-    skipped = [r for r in rows if r.get("status") == "skipped"]
+    skipped = [r for r in doc["rows"] if r.get("status") == "skipped"]
     if skipped:
-        out += ["", "Not run: " + "; ".join(
-            sorted({f"{r['method']} ({r.get('reason', '')})" for r in skipped}))]  # fmt: skip
-    if longest:
-        out += ["", f"The longest sequence that trains 3 steps (doubling from 16k; one "
-                f"{_card(longest)}):", "",
-                "| model | method | longest | tokens/s there | activation peak GiB | host peak GiB | stopped by |",
-                "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for r in longest["rows"]:
-            longest_seq = r.get("longest_seq")
-            stop = r.get("stopped_by") or "-"
-            if stop == "killed":
-                stop = "host memory (process killed)"
-            out.append(
-                f"| {r['model']} | {_label(r['method'])} | {'-' if not longest_seq else f'{longest_seq:,}'} "
-                f"| {'-' if r.get('tokens_per_s_at_longest') is None else format(r['tokens_per_s_at_longest'], '.0f')} "
-                f"| {'-' if r.get('activation_peak_gib_at_longest') is None else format(r['activation_peak_gib_at_longest'], '.2f')} "
-                f"| {'-' if r.get('host_peak_gib_at_longest') is None else format(r['host_peak_gib_at_longest'], '.1f')} "
-                f"| {stop} |"
-            )
+        reasons = sorted({f"{r['method']} ({r.get('reason', '')})" for r in skipped})
+        out += ["", "Not run: " + "; ".join(reasons) + "."]
+    out += ["", "| model | method | longest trained | tokens/s there | next length |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for (model, method), entry in _longest(rows).items():
+        best = entry["best"]
+        seq = f"{best['seq']:,}" if best else "-"
+        out.append(
+            f"| {model} | {_label(method)} | {seq} "
+            f"| {_cell(best, 'tokens_per_s', '.0f')} | {_stopped(entry)} |"
+        )
     return "\n".join(out)
 
 
 def render() -> dict[str, str]:
     """``{table name: markdown}``; empty where the results file does not exist yet."""
-    fixed, longest = _load("long_context"), _load("long_context_longest")
-    if fixed is None:
+    doc = _load("long_context")
+    if doc is None:
         return {}
-    return {"headline": headline(fixed, longest), "full": full(fixed, longest)}
+    return {"headline": headline(doc), "full": full(doc)}
 
 
 def _marked(name: str) -> re.Pattern[str]:

@@ -37,29 +37,25 @@ def test_tables_name_the_card_and_every_outcome(render) -> None:
                      "host_peak_gib": 9.0}  # fmt: skip
         return base | extra
 
-    fixed = {
-        "command": ["bench_long_context.py", "--seqs", "16384,32768"],
+    doc = {
         "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
         "rows": [row("hf-ckpt", 16384), row("hf-ckpt", 32768, "oom", reason="x"),
                  row("ours-ckpt-head", 16384), row("ours-ckpt-head", 32768),
+                 row("ours-ckpt-head", 131072, "killed", reason="signal 9"),
+                 row("ours-ckpt-head", 65536),
                  row("trl-offload", 16384, "skipped", reason="trl is not installed"),
                  row("trl-offload", 32768, "skipped", reason="trl is not installed")],
     }  # fmt: skip
-    longest = {
-        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
-        "rows": [{"model": "llama-8b-lora", "method": "ours-ckpt-head", "longest_seq": 131072,
-                  "tokens_per_s_at_longest": 5000.0, "activation_peak_gib_at_longest": 9.5,
-                  "host_peak_gib_at_longest": 70.0, "stopped_by": "killed"}],
-    }  # fmt: skip
-    head = render.headline(fixed, longest)
+    head = render.headline(doc)
     assert "one NVIDIA H100 80GB HBM3" in head
-    assert "| HF checkpointing | 16384 | 3.0 | OOM | OOM | - |" in head
-    assert (
-        "| **`offload_checkpointing` + `sliced_head_loss`** | 16384 | 3.0 | 32768 | 3.0 | 131,072 |"
-        in head
+    assert "| HF checkpointing | 16384 | 3.0 | OOM | OOM | 16,384 |" in head
+    ours = (
+        "| **`offload_checkpointing` + `sliced_head_loss`** | 16384 | 3.0 | 32768 | 3.0 | 65,536 |"
     )
+    assert ours in head
     assert "TRL" not in head  # skipped everywhere: not a row
-    body = render.full(fixed, longest)
-    assert "Not run: trl-offload (trl is not installed)" in body
-    assert "| host memory (process killed) |" in body
+    body = render.full(doc)
+    assert "Not run: trl-offload (trl is not installed)." in body
+    assert "| 65,536 | 65536 | host memory (killed) at 131,072 |" in body
+    assert "| 16,384 | 16384 | device OOM at 32,768 |" in body
     assert "| llama-8b-lora | 32768 | HF checkpointing | OOM |" in body
