@@ -38,6 +38,7 @@ __all__ = [
     "head_model",
     "lever_candidates",
     "not_candidates",
+    "pick_measured",
     "layer_levers_with",
     "ranked_variants",
     "variants",
@@ -233,3 +234,28 @@ def not_candidates(measured: dict[str, Any]) -> str:
     if not why:
         return ""
     return "; model levers not candidates: " + "; ".join(f"{k} ({v})" for k, v in why.items())
+
+
+def pick_measured(
+    done: list[tuple[PlanCosts, list[str], list[dict[str, Any]]]],
+) -> tuple[PlanCosts, list[str], list[dict[str, Any]]]:
+    """Of the verified plans of up to two sets of model levers (``(costs, levers,
+    checks)``, in :func:`ranked_variants` order), the one to keep: the set of fewer
+    levers unless the other measured at least :data:`MODEL_LEVER_GAIN` faster (each
+    plan's pooled median, or its median where it was measured in one block)."""
+
+    def seconds(item: tuple[PlanCosts, list[str], list[dict[str, Any]]]) -> float:
+        _, levers, checks = item
+        times = [
+            c.get("pooled_seconds", c["measured_seconds"])
+            for c in checks
+            if c["levers"] == levers and c["fits"]
+        ]
+        return min(times) if times else float("inf")
+
+    if len(done) == 1:
+        return done[0]
+    few, many = sorted(done, key=lambda d: len(d[0].model_levers))
+    if seconds(many) < seconds(few) * (1.0 - MODEL_LEVER_GAIN):
+        return many
+    return few
