@@ -30,6 +30,7 @@ from offload import integrations, main_grad, nn
 from offload._layers import find_layers
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import DEFAULT_LEVERS, LEVERS
+from offload._planner.model_levers import MODEL_LEVERS
 from offload._planner.plan import Plan, plan
 from offload._recompute._checkpoint import (
     CheckpointOffloader,
@@ -41,6 +42,7 @@ from offload._recompute._head import SlicedHeadHandle, sliced_cross_entropy, sli
 from offload._recompute._tiled import TiledHandle, tile_mlp
 from offload.activations import ActivationOffloader, no_offload
 from offload.activations._attach import AttachHandle
+from offload.activations._auto._short import ActivationMemoryError
 from offload.activations._graphs import make_graphed_callables
 from offload.activations._manual import ManualOffloadSynchronizer
 from offload.config import OffloadConfig
@@ -56,6 +58,7 @@ __all__ = [
     "ActivationOffloader",
     "AttachHandle",
     "OffloadConfig",
+    "ActivationMemoryError",
     "no_offload",
     # CUDA graphs: offloading inside per-layer graphs
     "make_graphed_callables",
@@ -89,6 +92,7 @@ __all__ = [
     "PlanCosts",
     "LEVERS",
     "DEFAULT_LEVERS",
+    "MODEL_LEVERS",
     # long sequences: the LM head and loss in slices, sequence-tiled MLPs
     "sliced_head_loss",
     "SlicedHeadHandle",

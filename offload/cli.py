@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from offload._planner.levers import DEFAULT_LEVERS, LEVERS
+from offload._planner.model_levers import MODEL_LEVERS
 
 __all__ = ["main", "build_parser"]
 
@@ -192,6 +193,13 @@ def _add_plan_parser(sub: Any) -> None:
         f"default all of them",
     )
     run.add_argument(
+        "--model-levers",
+        default=",".join(MODEL_LEVERS),
+        help=f"comma list of the levers outside the layers the plan may add, of: "
+        f"{', '.join(MODEL_LEVERS)} (the LM head and loss in slices, tiled MLPs; taken "
+        f"only where the budget needs them); '' for none; default both",
+    )
+    run.add_argument(
         "--compress", choices=["fp8"], help="offloaded layers travel compressed (lossy)"
     )
     run.add_argument("--device", help="cuda or cuda:N; default cuda")
@@ -253,6 +261,10 @@ def _plan(args: argparse.Namespace) -> int:
     bad = [x for x in levers if x not in LEVERS]
     if bad:
         raise CliError(f"--levers: unknown {bad}; accepted: {','.join(LEVERS)}")
+    model_levers = [x.strip() for x in args.model_levers.split(",") if x.strip()]
+    bad = [x for x in model_levers if x not in MODEL_LEVERS]
+    if bad:
+        raise CliError(f"--model-levers: unknown {bad}; accepted: {','.join(MODEL_LEVERS)}")
     if not torch.cuda.is_available():
         raise CliError(
             "offload plan measures step time and device memory, so it needs a CUDA device, "
@@ -282,6 +294,7 @@ def _plan(args: argparse.Namespace) -> int:
             budget=budget,
             model=model,
             levers=levers,
+            model_levers=model_levers,
             compress=args.compress,
             min_tensor_bytes=args.min_tensor_bytes,
             steps=args.steps,

@@ -82,6 +82,9 @@ class PlanCosts:
             split between its forward and its backward (with ``compress="fp8"``,
             :func:`plan` fits it to the every-layer offload step: the codec's kernels
             and their waits). Default ``None``: none.
+        model_levers: the model levers (``offload/_planner/model_levers.py``) these
+            costs were measured with: every figure is that of the step with them
+            applied. Default ``()``: none.
 
     Raises:
         ValueError: lists of different lengths, no layer, a negative number, or a
@@ -117,8 +120,10 @@ class PlanCosts:
     activation_bytes: int | None = None
     offload_s: tuple[float, ...] | None = None
     head_bytes: int | None = None
+    model_levers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_levers", tuple(self.model_levers))
         names = ("forward_s", "backward_s", "saved_bytes", "selective_s", "checkpoint_s")
         for name in (*names, "link_bytes", "offload_s"):
             value = getattr(self, name)

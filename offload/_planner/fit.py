@@ -28,12 +28,13 @@ from offload._core import _measure
 from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
+from offload._planner.model_levers import ModelLeverSet
 from offload._recompute._reentrant import RECOMPUTES, NestedBackwardError
 from offload.profiling._timeline import Recorder
 
 __all__ = [
-    "COST_STEPS", "Measured", "find_model", "fit_costs", "measure_configs", "memory_moments",
-    "moments_of",
+    "COST_STEPS", "Measured", "find_model", "fit_costs", "measure_configs",
+    "measure_model_levers", "memory_moments", "moments_of", "variant_costs",
 ]  # fmt: skip
 
 
@@ -488,3 +489,113 @@ def fit_costs(m: Measured, compress: str | None) -> tuple[PlanCosts, dict[str, A
         per_layer = max(0.0, residual) / (L - 1)
         fitted["offload_s"] = tuple(per_layer for _ in range(L))
     return model_costs(**fitted), fitted
+
+
+# --------------------------------------------------------------------------------------
+# model levers (offload/_planner/model_levers.py): the step measured with each set
+
+
+def _saved_counts(
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    model: torch.nn.Module,
+    min_tensor_bytes: int,
+) -> list[int]:
+    """Per layer, the bytes it saves for backward (offloaded, or kept by the last layer
+    as not selected), counted by one step with ``offload_layers="all"``."""
+    with _attached(layers, model, offload_layers="all", min_tensor_bytes=min_tensor_bytes) as off:
+        step_fn()
+        return [
+            int(la.bytes_offloaded + la.bytes_kept.get("not_selected", 0))
+            for la in off.stats.layers
+        ]
+
+
+def measure_model_levers(
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    model: torch.nn.Module,
+    causal: torch.nn.Module | None,
+    keys: Sequence[tuple[str, ...]],
+    saved: Sequence[int],
+    min_tensor_bytes: int,
+    steps: int,
+    warmup: int,
+    *,
+    slice_tokens: int | str = "auto",
+    tile_tokens: int | str = "auto",
+) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Per set of model levers in ``keys`` (each non-empty): the step without layer
+    levers with the set applied (``"config"``: ``measure_step``'s dict), what each layer
+    saves under it (``"saved"``: ``saved``, the bytes measured without it, scaled per
+    layer by what one counting step with and without it saw, when the set tiles the
+    MLPs), its memory moments (``"moments"``: ``(W, H)`` or ``None``) and how many
+    calls each lever acted on (``"calls"``); or ``{"error": why}`` when the step raised
+    with the set applied, or a lever of it acted on no call (the step never passes
+    ``labels`` to the causal LM; no MLP call is longer than a tile): not a candidate."""
+    out: dict[tuple[str, ...], dict[str, Any]] = {}
+    base_counts: list[int] | None = None
+    if any("tiled_mlp" in key for key in keys):
+        base_counts = _saved_counts(step_fn, layers, model, min_tensor_bytes)
+    for key in keys:
+        levers = ModelLeverSet(
+            key, layers, causal, slice_tokens=slice_tokens, tile_tokens=tile_tokens
+        )
+        try:
+            with levers:
+                got = verify.measure_step(step_fn, steps, warmup)
+                calls = levers.calls()
+                layer_saved = [int(s) for s in saved]
+                if "tiled_mlp" in key and base_counts is not None:
+                    counts = _saved_counts(step_fn, layers, model, min_tensor_bytes)
+                    layer_saved = [
+                        int(s * c / b) if b else int(s)
+                        for s, c, b in zip(saved, counts, base_counts)
+                    ]
+                moments = memory_moments(step_fn, layers, layer_saved)
+        except Exception as exc:  # the user's step with the levers: not a candidate
+            out[key] = {"error": f"the step raised {type(exc).__name__} with them: {exc}"}
+            continue
+        idle = [name for name, n in calls.items() if n == 0]
+        if idle:
+            why = {
+                "sliced_head": "the step never called the causal LM with labels",
+                "tiled_mlp": "no MLP call was longer than a tile",
+            }
+            out[key] = {"error": "; ".join(f"{name}: {why[name]}" for name in idle)}
+            continue
+        out[key] = {"config": got, "saved": layer_saved, "moments": moments, "calls": calls}
+    return out
+
+
+def variant_costs(base: PlanCosts, key: tuple[str, ...], got: dict[str, Any]) -> PlanCosts:
+    """The cost model of the step with the model levers ``key`` applied: ``base`` (fitted
+    without them) with that step's figures (:func:`measure_model_levers`): its time and
+    peak without layer levers (the anchors), what each layer saves, the workspace and
+    the head's memory; the recompute fractions keep the bytes a recomputed layer holds
+    (its inputs, which no model lever changes), so they scale by the saved bytes' ratio.
+    The recompute levers' extra times are those measured without the set."""
+    saved = list(got["saved"])
+    before, now = sum(base.saved_bytes), sum(saved)
+    ratio = before / now if now else 1.0
+    peak = got["config"]["peak_bytes"]
+    if got.get("moments") is not None:
+        workspace, head = got["moments"]
+    else:
+        workspace, head = int(max(0.0, peak - now)), None
+    link = [
+        int(x * s / b) if b else int(s)
+        for x, s, b in zip(base._link(), saved, base.saved_bytes)
+    ]  # fmt: skip
+    return dataclasses.replace(
+        base,
+        saved_bytes=tuple(saved),
+        link_bytes=tuple(link),
+        workspace_bytes=int(workspace),
+        head_bytes=None if head is None else int(head),
+        step_s=float(got["config"]["seconds"]),
+        activation_bytes=int(peak),
+        selective_kept=min(1.0, base.selective_kept * ratio),
+        checkpoint_kept=min(1.0, base.checkpoint_kept * ratio),
+        model_levers=tuple(key),
+    )

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 
 from offload._planner.costs import PlanCosts
-from offload._planner.fit import find_model, fit_costs, measure_configs
+from offload._planner.fit import (
+    find_model,
+    fit_costs,
+    measure_configs,
+    measure_model_levers,
+    variant_costs,
+)
 from offload._planner.levers import (
     DEFAULT_LEVERS,
     LEVERS,
@@ -58,8 +64,19 @@ from offload._planner.levers import (
     check_levers,
     summary,
 )
+from offload._planner.model_levers import (
+    MODEL_LEVERS,
+    ModelLeverSet,
+    check_model_levers,
+    layer_levers_with,
+    lever_candidates,
+    not_candidates,
+    pick_measured,
+    ranked_variants,
+    variants,
+)
 from offload._planner.search import compression
-from offload._planner.verify import verified
+from offload._planner.verify import equality, verified
 from offload._recompute._reentrant import check_recompute
 from offload.config import _check_int
 
@@ -93,6 +110,15 @@ class Plan:
             last operations too (``loss.backward()`` only: under ``torch.autograd.grad``
             the layers' parameters get no gradient, as under torch's reentrant
             checkpoint). :func:`plan` measures both and keeps the faster.
+        model_levers: levers outside the layers' (:data:`MODEL_LEVERS`):
+            ``"sliced_head"`` computes the causal LM's head and loss in slices
+            (:func:`offload.sliced_head_loss` on ``head_model``), ``"tiled_mlp"`` runs
+            each layer's ``mlp`` a tile of the sequence at a time
+            (:func:`offload.tile_mlp`; with it, no selective lever). Default ``()``.
+        head_model: the Hugging Face causal LM (``*ForCausalLM``) whose head
+            ``"sliced_head"`` slices. Default ``None``.
+        slice_tokens, tile_tokens: of ``sliced_head_loss`` and ``tile_mlp``. Default
+            ``"auto"``.
 
     Raises:
         TypeError: ``levers`` is not a sequence of names.
@@ -122,8 +148,21 @@ class Plan:
         measured: dict[str, Any] | None = None,
         compressed: Sequence[bool] | None = None,
         recompute: str = "non_reentrant",
+        model_levers: Sequence[str] = (),
+        head_model: torch.nn.Module | None = None,
+        slice_tokens: int | str = "auto",
+        tile_tokens: int | str = "auto",
     ) -> None:
         self.recompute = check_recompute(recompute)
+        self.model_levers = check_model_levers(model_levers, "model_levers")
+        if "sliced_head" in self.model_levers and head_model is None:
+            raise ValueError(
+                "model_levers has 'sliced_head' but head_model is None: pass the Hugging "
+                "Face causal LM whose head and loss are computed in slices"
+            )
+        self.head_model = head_model
+        self.slice_tokens = slice_tokens
+        self.tile_tokens = tile_tokens
         self.layers = list(layers)
         self.levers = list(check_levers(levers, "levers"))
         if len(self.levers) != len(self.layers):
@@ -138,6 +177,16 @@ class Plan:
                 f"a recompute lever, or one that sends only the inputs "
                 f"('checkpoint_offload', 'selective_offload_inputs')"
             )
+        if "tiled_mlp" in self.model_levers:
+            selective = [
+                x for x in self.levers if x not in layer_levers_with(("tiled_mlp",), self.levers)
+            ]
+            if selective:
+                raise ValueError(
+                    f"levers {sorted(set(selective))} with model_levers 'tiled_mlp': the "
+                    f"selective levers keep every tile's matrix products, all that tiling "
+                    f"frees; use keep, offload, checkpoint or checkpoint_offload"
+                )
         if compressed is not None:
             compressed = [bool(x) for x in compressed]
             if len(compressed) != len(self.layers):
@@ -160,6 +209,10 @@ class Plan:
         self._offloader: Any = None
         self._handle: Any = None
         self._filter: CompressedLayers | None = None
+        self._model_set: ModelLeverSet | None = None
+        #: per set of model levers measured, its cost model (``()``: none), from which
+        #: :meth:`replan` chooses; ``None`` for a plan made by hand
+        self._variants: dict[tuple[str, ...], PlanCosts] | None = None
         #: per layer, what its selective recompute was seen to use (:class:`KeptKeys`), learnt
         #: by :func:`plan`'s measuring steps and handed to the selective wrappers of
         #: every plan made from them, so that their first step keeps no more than the
@@ -212,28 +265,65 @@ class Plan:
         """
         if self.costs is None:
             raise RuntimeError("this plan was made by hand: it has no costs to plan with")
-        c = self.costs
-        limit = _budget_bytes(budget, c.memory(["keep"] * c.num_layers))
+        sets = self._variants or {self.costs.model_levers: self.costs}
+        base = sets.get((), self.costs)
+        limit = _budget_bytes(budget, base.memory(["keep"] * base.num_layers))
         allowed = self.measured.get("levers", LEVERS)
 
-        def make(levers: list[str]) -> Plan:
-            made = Plan(
-                self.layers,
-                levers,
-                costs=c,
-                budget_bytes=limit,
-                compress=self.compress,
-                min_tensor_bytes=self.min_tensor_bytes,
-                measured=dict(self.measured),
-                compressed=compression(c, levers) if self.compress else None,
-                recompute=self.recompute,
-            )
-            made._learnt = self._learnt
-            return made
+        def maker(c: PlanCosts) -> Callable[[list[str]], Plan]:
+            def make(levers: list[str]) -> Plan:
+                made = Plan(
+                    self.layers,
+                    levers,
+                    costs=c,
+                    budget_bytes=limit,
+                    compress=self.compress,
+                    min_tensor_bytes=self.min_tensor_bytes,
+                    measured=dict(self.measured),
+                    compressed=compression(c, levers) if self.compress else None,
+                    recompute=self.recompute,
+                    model_levers=c.model_levers,
+                    head_model=self.head_model,
+                    slice_tokens=self.slice_tokens,
+                    tile_tokens=self.tile_tokens,
+                )
+                made._learnt = self._learnt
+                made._variants = self._variants
+                return made
+
+            return make
 
         _check_int("steps", steps, minimum=1)
-        levers, checks = verified(c, limit, allowed, make, step_fn, model, steps)
-        chosen = make(levers)
+        try:
+            order = ranked_variants(sets, limit, allowed)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{not_candidates(self.measured)}") from None
+        error: ValueError | None = None
+        done: list[tuple[PlanCosts, list[str], list[dict[str, Any]]]] = []
+        for c in order:  # the next set of model levers when none of one's plans fits
+            try:
+                levers, checks = verified(
+                    c,
+                    limit,
+                    layer_levers_with(c.model_levers, allowed),
+                    maker(c),
+                    step_fn,
+                    model,
+                    steps,
+                )
+            except ValueError as exc:
+                error = error or exc
+                continue
+            done.append((c, levers, checks))
+            # measured, the two sets ranked first compete (the model's time of a set is
+            # anchored on its own step: a few percent off, as between plans)
+            if step_fn is None or len(done) == 2:
+                break
+        if not done:
+            assert error is not None
+            raise error
+        c, levers, checks = pick_measured(done)
+        chosen = maker(c)(levers)
         chosen.measured["checks"] = checks
         return chosen
 
@@ -247,7 +337,7 @@ class Plan:
 
     @property
     def applied(self) -> bool:
-        return bool(self._wrappers) or self._offloader is not None
+        return bool(self._wrappers) or self._offloader is not None or self._model_set is not None
 
     def apply(self, model: torch.nn.Module | None = None) -> Plan:
         """Install the levers: recompute wrappers on their layers and, when layers are
@@ -269,6 +359,14 @@ class Plan:
         if self.applied:
             raise RuntimeError("this plan is applied already; call remove() first")
         try:
+            if self.model_levers:
+                self._model_set = ModelLeverSet(
+                    self.model_levers,
+                    self.layers,
+                    self.head_model,
+                    slice_tokens=self.slice_tokens,
+                    tile_tokens=self.tile_tokens,
+                ).apply()
             offloaded = [i for i, lever in enumerate(self.levers) if lever in OFFLOADED]
             if offloaded:
                 if self.compress is not None and self.compressed is not None:
@@ -309,6 +407,9 @@ class Plan:
         if self._offloader is not None:
             self._offloader.close()
             self._offloader = None
+        if self._model_set is not None:
+            self._model_set.remove()
+            self._model_set = None
 
     def __enter__(self) -> Plan:
         if self._offloader is not None and self._handle is None:
@@ -331,6 +432,8 @@ class Plan:
             "compress": self.compress,
             "compressed": self.compressed,
             "recompute": self.recompute,
+            "model_levers": list(self.model_levers),
+            "equality": equality(self.model_levers),
             "costs": None if self.costs is None else self.costs.to_dict(),
             "measured": self.measured,
             "errors": self.prediction_errors(),
@@ -347,52 +450,9 @@ class Plan:
         predicted and
         measured seconds and bytes, and ``time_error``/``memory_error`` (predicted /
         measured - 1). Empty for a plan made by hand."""
-        c = self.costs
-        if c is None:
-            return []
-        L = c.num_layers
-        every = {
-            "none": ["keep"] * L,
-            "offload": ["offload"] * (L - 1) + ["keep"],
-            "selective": ["selective"] * L,
-            "checkpoint": ["checkpoint"] * L,
-        }
-        fitted = {
-            "none": ["seconds", "bytes"],
-            "offload": ["seconds"] if self.compress is not None else [],
-            "selective": ["seconds", "bytes"],
-            "checkpoint": ["seconds", "bytes"],
-        }
-        rows = []
-        for name, got in self.measured.get("configs", {}).items():
-            levers = every.get(name)
-            if levers is None:
-                continue
-            rows.append(
-                _error_row(
-                    "none" if name == "none" else f"all {name}",
-                    levers,
-                    c,
-                    got["seconds"],
-                    got["peak_bytes"],
-                )
-                | {"fitted": fitted.get(name, [])}
-            )
-        for check in self.measured.get("checks", []):
-            name = check.get("single")
-            kind = "corrected" if check.get("corrected") else "rival" if check["rival"] else "plan"
-            label = f"single {name}" if name else kind
-            seconds = check.get("pooled_seconds", check["measured_seconds"])
-            row = _error_row(
-                label,
-                check["levers"],
-                c,
-                seconds,
-                check["measured_bytes"],
-                check.get("compressed"),
-            )
-            rows.append(row | {"fitted": []})
-        return rows
+        from offload._planner import report
+
+        return report.prediction_errors(self)
 
     def table(self) -> Any:
         """A :class:`rich.table.Table`: one row per layer (lever, bytes kept between
@@ -416,28 +476,8 @@ class Plan:
         report.render_plan(self, console)
 
     def __repr__(self) -> str:
-        return f"Plan({summary(self.levers)})"
-
-
-def _error_row(
-    name: str,
-    levers: list[str],
-    c: PlanCosts,
-    seconds: float,
-    peak: float | None,
-    compressed: list[bool] | None = None,
-) -> dict[str, Any]:
-    t, m = c.seconds(levers, compressed), c.memory(levers)
-    return {
-        "name": name,
-        "levers": list(levers),
-        "predicted_seconds": t,
-        "measured_seconds": seconds,
-        "time_error": t / seconds - 1.0 if seconds else None,
-        "predicted_bytes": m,
-        "measured_bytes": peak,
-        "memory_error": m / peak - 1.0 if peak else None,
-    }
+        extra = f"; {', '.join(self.model_levers)}" if self.model_levers else ""
+        return f"Plan({summary(self.levers)}{extra})"
 
 
 def _budget_bytes(budget: Any, activation_bytes: float) -> float:
@@ -507,6 +547,9 @@ def plan(
     steps: int = 3,
     warmup: int = 3,
     verify: bool = True,
+    model_levers: Sequence[str] = MODEL_LEVERS,
+    slice_tokens: int | str = "auto",
+    tile_tokens: int | str = "auto",
 ) -> Plan:
     """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
     least predicted step time.
@@ -554,6 +597,21 @@ def plan(
             inputs); measure those that fit again in ``VERIFY_ROUNDS`` alternating
             rounds and keep the fastest, never a plan slower than the best single lever
             (constants of ``offload/_planner/verify.py``). Default ``True``.
+        model_levers: the levers outside the layers' the plan may add
+            (``offload/_planner/model_levers.py``): ``"sliced_head"``, the causal LM's
+            head and loss in slices (:func:`offload.sliced_head_loss`; a candidate only
+            on a Hugging Face ``*ForCausalLM`` whose model holds ``layers`` and a step
+            that passes it ``labels``), and ``"tiled_mlp"``, each layer's ``mlp`` tiled
+            along the sequence (:func:`offload.tile_mlp`; only where every layer has
+            an ``mlp``, some call of it is longer than a tile, and then with no
+            selective lever). The step is measured once more with each set of them
+            that is a candidate, and a set is taken only where the budget needs it or
+            where it is predicted at least ``MODEL_LEVER_GAIN`` faster. Gradients are
+            then equal to the step's without them up to float summation order (Note
+            [equality of the levers] in ``offload/_planner/verify.py``), no longer
+            bitwise. ``measured["model_levers"]`` says why a lever was not a
+            candidate. Default: both (:data:`MODEL_LEVERS`); ``()``: none.
+        slice_tokens, tile_tokens: of those levers. Default ``"auto"``.
 
     The activation peak is measured above what is allocated before each step, gradients
     included (they accumulate across the planner's steps). A loop that sets gradients
@@ -579,20 +637,45 @@ def plan(
         p.apply(model)      # then train as usual; p.remove() undoes it
     """
     allowed = check_levers(levers, "levers")
+    wanted = check_model_levers(model_levers, "model_levers")
     layers = list(layers)
     _check_arguments(step_fn, layers, budget, model, steps, warmup)
     if model is None:
         model = find_model(step_fn, layers)
+    causal, why_not = lever_candidates(model, layers, wanted)
     m = measure_configs(step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup)
     costs, fitted = fit_costs(m, compress)
+    keys = [k for k in variants([x for x in wanted if not why_not[x]]) if k]
+    got = measure_model_levers(
+        step_fn, layers, model, causal, keys, m.saved_bytes, min_tensor_bytes, steps, warmup,
+        slice_tokens=slice_tokens, tile_tokens=tile_tokens,
+    )  # fmt: skip
+    sets: dict[tuple[str, ...], PlanCosts] = {(): costs}
+    for key, one in got.items():
+        if "error" in one:
+            for name in key:  # a lever alone failing says why; a pair only adds to it
+                if len(key) == 1:
+                    why_not[name] = one["error"]
+            continue
+        sets[key] = variant_costs(costs, key, one)
+        m.configs["none + " + " + ".join(key)] = one["config"]
     measured = Plan(
         layers,
         ["keep"] * len(layers),
         costs=costs,
         compress=compress,
         min_tensor_bytes=min_tensor_bytes,
-        measured={"configs": m.configs, "fitted": fitted, "levers": list(allowed)},
+        measured={
+            "configs": m.configs,
+            "fitted": fitted,
+            "levers": list(allowed),
+            "model_levers": why_not,
+        },
         recompute=m.recompute,
+        head_model=causal,
+        slice_tokens=slice_tokens,
+        tile_tokens=tile_tokens,
     )
     measured._learnt = m.learnt
+    measured._variants = sets
     return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)

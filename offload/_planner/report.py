@@ -8,12 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from offload._core._units import format_bytes
 from offload._planner.levers import summary
+from offload._planner.model_levers import describe, not_candidates
 from offload.profiling._render import _console, short_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from offload._planner.costs import PlanCosts
     from offload._planner.plan import Plan
 
-__all__ = ["plan_errors_table", "plan_summary", "plan_table", "render_plan"]
+__all__ = [
+    "plan_errors_table", "plan_summary", "plan_table", "prediction_errors", "render_plan",
+]  # fmt: skip
 
 
 def plan_table(plan: Plan) -> Any:
@@ -60,21 +64,28 @@ def plan_table(plan: Plan) -> Any:
             table.add_row("head", untouched, format_bytes(c.head_bytes), "-", "-", style="dim")
         name = "workspace" if c.head_bytes is not None else "workspace+head"
         table.add_row(name, untouched, format_bytes(c.workspace_bytes), "-", "-", style="dim")
+    for lever in plan.model_levers:
+        table.add_row("model", lever, "-", "-", "-", style="bold")
     return table
 
 
 def plan_summary(plan: Plan) -> str:
     """Predicted time and peak against the step without levers and the budget."""
     c = plan.costs
+    outside = ""
+    if plan.model_levers:
+        outside = f"; outside the layers: {describe(plan.model_levers)}"
+    why = not_candidates(plan.measured)
     if c is None:
-        return f"plan: {summary(plan.levers)} (chosen by hand: no predictions)"
+        return f"plan: {summary(plan.levers)}{outside} (chosen by hand: no predictions)"
     t, m = c.seconds(plan.levers), c.memory(plan.levers)
+    base = (plan._variants or {}).get((), c)  # the step without any lever
     keep = ["keep"] * c.num_layers
-    base_t = c.step_s if c.step_s is not None else c.raw_seconds(keep)
-    base_m = c.memory(keep)
+    base_t = base.step_s if base.step_s is not None else base.raw_seconds(keep)
+    base_m = base.memory(keep)
     budget = "" if plan.budget_bytes is None else f" (budget {format_bytes(plan.budget_bytes)})"
     return (
-        f"plan: {summary(plan.levers)}; predicted step {t * 1e3:.1f} ms "
+        f"plan: {summary(plan.levers)}{outside}{why}; predicted step {t * 1e3:.1f} ms "
         f"({t / base_t:.3f}x the step without levers, {base_t * 1e3:.1f} ms); predicted "
         f"activation peak {format_bytes(m)} of {format_bytes(base_m)} without levers{budget}"
     )
@@ -129,3 +140,76 @@ def plan_errors_table(rows: list[dict[str, Any]]) -> Any:
             _pct(r["memory_error"]) + ("*" if "bytes" in fitted else ""),
         )
     return table
+
+
+def prediction_errors(plan: Plan) -> list[dict[str, Any]]:
+    """:meth:`offload.Plan.prediction_errors` of ``plan``."""
+    if plan.costs is None:
+        return []
+    # the configurations were measured without model levers: their model's rows
+    c = (plan._variants or {}).get((), plan.costs)
+    L = c.num_layers
+    every = {
+        "none": ["keep"] * L,
+        "offload": ["offload"] * (L - 1) + ["keep"],
+        "selective": ["selective"] * L,
+        "checkpoint": ["checkpoint"] * L,
+    }
+    fitted = {
+        "none": ["seconds", "bytes"],
+        "offload": ["seconds"] if plan.compress is not None else [],
+        "selective": ["seconds", "bytes"],
+        "checkpoint": ["seconds", "bytes"],
+    }
+    rows = []
+    for name, got in plan.measured.get("configs", {}).items():
+        levers = every.get(name)
+        if levers is None:
+            continue
+        rows.append(
+            _error_row(
+                "none" if name == "none" else f"all {name}",
+                levers,
+                c,
+                got["seconds"],
+                got["peak_bytes"],
+            )
+            | {"fitted": fitted.get(name, [])}
+        )
+    c = plan.costs  # the checks measured plans of this plan's model levers
+    for check in plan.measured.get("checks", []):
+        name = check.get("single")
+        kind = "corrected" if check.get("corrected") else "rival" if check["rival"] else "plan"
+        label = f"single {name}" if name else kind
+        seconds = check.get("pooled_seconds", check["measured_seconds"])
+        row = _error_row(
+            label,
+            check["levers"],
+            c,
+            seconds,
+            check["measured_bytes"],
+            check.get("compressed"),
+        )
+        rows.append(row | {"fitted": []})
+    return rows
+
+
+def _error_row(
+    name: str,
+    levers: list[str],
+    c: PlanCosts,
+    seconds: float,
+    peak: float | None,
+    compressed: list[bool] | None = None,
+) -> dict[str, Any]:
+    t, m = c.seconds(levers, compressed), c.memory(levers)
+    return {
+        "name": name,
+        "levers": list(levers),
+        "predicted_seconds": t,
+        "measured_seconds": seconds,
+        "time_error": t / seconds - 1.0 if seconds else None,
+        "predicted_bytes": m,
+        "measured_bytes": peak,
+        "memory_error": m / peak - 1.0 if peak else None,
+    }

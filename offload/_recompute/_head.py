@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload._core import _levers
+
 __all__ = ["SlicedHeadHandle", "sliced_cross_entropy", "sliced_head_loss"]
 
 #: ``backend=`` values.
@@ -440,6 +442,7 @@ class SlicedHeadHandle:
         causal.forward = sliced_forward
         causal.loss_function = sliced_loss
         self._ours = {"head": sliced_head_forward, "forward": sliced_forward, "loss": sliced_loss}
+        _levers.register_head(causal)  # "auto" reads it (Note [memory short])
 
     def remove(self) -> None:
         """Put the model back as it was (every replacement that is still ours)."""
@@ -447,6 +450,8 @@ class SlicedHeadHandle:
             return
         self.removed = True
         causal, head = self._causal(), self._head
+        if causal is not None:
+            _levers.unregister_head(causal)
         if head.__dict__.get("forward") is self._ours.get("head"):
             _restore(head, "forward", self._old_head_forward)
         if causal is not None:

@@ -77,6 +77,7 @@ from offload.activations._auto._probe import (
     StepWatch,
     meter_for,
 )
+from offload.activations._auto._short import check_short
 from offload.activations._auto._steps import describe, predicted, step_stats
 from offload.activations._schedule import plan_forward
 
@@ -161,14 +162,16 @@ def _recompute_split(
     prefetch: int | None,
     cold: bool = False,
     mem: Memory | None = None,
+    device_limit: float | None = None,
 ) -> tuple[int, tuple[int, ...]]:
     """The offloaded prefix and the calls run recomputed, their inputs offloaded
     (Note [recomputed calls]), where memory forces more offloading than the link
     hides or the host budget holds: offloading the memory floor's prefix (host
     permitting), or the prefix the link hides (within the host budget) with every
     later call recomputed, whichever is predicted faster. Otherwise the choice as
-    it is, and nothing recomputed. A predicted peak past the memory limit even so
-    is said once, with what remains (the head and loss, the weights)."""
+    it is, and nothing recomputed. A peak past the memory limit even so (what remains
+    is outside the layers) raises ``ActivationMemoryError`` where it is measured, else
+    is said once (Note [memory short]; ``device_limit``: the device's own limit)."""
     costs = sized.est.costs
     L, k = len(costs), len(decision.offloaded)
     room = off._runtime.pool.limit * (1.0 - MEMORY_MARGIN)
@@ -195,19 +198,25 @@ def _recompute_split(
         # re-probe does where memory has room)
         kb = min(kb, 1)
     with_recompute = predicted(sized, kb, d2h, h2d, prefetch) + sum(c.forward_s for c in costs[kb:])
-    if offload_all <= with_recompute:
-        return k, ()
     if mem is not None and mem.peak_all > mem.limit:
-        off._warn_once(
-            "recompute_short",
+        act = sized.est.act_bytes or 0.0
+        check_short(
+            off,
+            off._layers,
+            sized.est.exact,
+            mem.peak_all,
+            device_limit if device_limit is not None else float("inf"),
+            mem.peak_all - act,
             f"device memory: the step's predicted peak, {mem.peak_all / 2**30:.2f} GiB, "
             f"exceeds {mem.limit / 2**30:.2f} GiB (the limit less {MEMORY_MARGIN:.0%}) "
-            f"even with {L - kb} of {L} layer calls recomputed and their inputs "
-            "offloaded: what remains is outside the layers (the head and the loss, the "
-            "weights and their gradients). Compute the head and the loss in slices "
-            "(offload.sliced_head_loss) or offload weights (offload.WeightOffloader) "
-            "to fit.",
+            f"even with every layer call offloaded or recomputed: what remains is "
+            "outside the layers (the head and the loss, the weights and their "
+            "gradients). Compute the head and the loss in slices "
+            "(offload.sliced_head_loss(model)), tile the MLPs (offload.tile_mlp) or "
+            "offload weights (offload.WeightOffloader) to fit.",
         )
+    if offload_all <= with_recompute:
+        return k, ()
     return kb, tuple(range(kb, L))
 
 
@@ -290,7 +299,10 @@ class AutoPolicy:
         recomputed: tuple[int, ...] = ()
         if k and k == chosen and not step.capture:
             cold = all(p.cold for p in fam.model.points)
-            k, recomputed = _recompute_split(off, sized, decision, cfg.prefetch_layers, cold, mem)
+            limit = None if memory is None else float(memory.limit)
+            k, recomputed = _recompute_split(
+                off, sized, decision, cfg.prefetch_layers, cold, mem, limit
+            )
             # a recomputed call measures its recompute, not its saves: not a probe
             probe = probe and not recomputed
         off._first_recomputed = 0 in recomputed

@@ -738,20 +738,72 @@ def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> Non
             assert r["predicted_ratio"] <= reach, r
 
 
-def test_memory_short_even_with_every_call_recomputed_is_said_once() -> None:
-    # the head, loss and weights alone exceed the limit: recomputing every layer call
-    # cannot fit; one warning says what remains and which levers reach it
+def _short(limit_of) -> tuple:
+    """Four layers whose head, loss and weights (``act``, at the peak with every call
+    offloaded) leave the device short by what ``limit_of(base, act)`` says."""
     L = 4
     layers, ref = _model(L)
     freed = _released(layers, 16)
     base, act = 50 << 20, 3 * max(freed)
-    memory = FakeMemory(int(base + act / 2), base, lambda n: act, lambda n: freed)
+    memory = FakeMemory(int(limit_of(base, act)), base, lambda n: act, lambda n: freed)
     costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, freed[0] / 4e-3, memory=memory)
-    off = _auto_offloader(layers, meter)
+    return layers, ref, _auto_offloader(layers, meter), memory, base, act
+
+
+def test_memory_short_by_measured_bytes_raises_before_the_step() -> None:
+    # the head, loss and weights alone exceed the device: recomputing every layer call
+    # cannot fit, and the bytes were measured at this size (the measuring forward ran
+    # at it): the next step raises before its first layer runs (Note [memory short])
+    layers, ref, off, memory, base, act = _short(lambda base, act: base + act / 2)
+    _run(layers, ref, off, 16)  # the measuring forward (all offloaded)
+    ran = len(memory.peaks)
+    x = torch.randn(2, 16, 64)
+    with pytest.raises(offload.ActivationMemoryError) as caught:
+        step(layers, x, models.run_plain, off)
+    assert len(memory.peaks) == ran  # raised before the step ran
+    err = caught.value
+    assert isinstance(err, torch.OutOfMemoryError)  # caught where an OOM would be
+    assert err.needed_bytes > err.limit_bytes == memory.limit
+    assert err.free_bytes == memory.limit - base
+    text = str(err)
+    assert str(err.needed_bytes) in text and str(err.free_bytes) in text
+    for lever in ("offload.sliced_head_loss(model)", "offload.tile_mlp", "WeightOffloader"):
+        assert lever in text
+    # the offloader stays usable: the same step raises again
+    with pytest.raises(offload.ActivationMemoryError):
+        step(layers, x, models.run_plain, off)
+    off.close()
+
+
+def test_memory_short_only_past_the_margin_is_said_once() -> None:
+    # past the limit less MEMORY_MARGIN but within the device's own limit: the step may
+    # fit (the prediction is not sure): a warning, no error
+    margin = _auto_policy.MEMORY_MARGIN
+    layers, ref, off, memory, base, act = _short(lambda base, act: (base + act) / (1 - margin / 2))
     with pytest.warns(UserWarning, match="outside the layers") as caught:
         for _ in range(4):
             auto = _run(layers, ref, off, 16)  # bitwise equal to no offloading
     assert auto["recomputed"], auto
     assert sum("outside the layers" in str(w.message) for w in caught) == 1
+    assert "offload.sliced_head_loss(model)" in str(caught[0].message)
+    off.close()
+
+
+def test_memory_short_with_the_head_lever_installed_is_said_once() -> None:
+    # the user installed the head lever on the model holding the layers: no error (the
+    # levers outside the layers are theirs to size), the warning as before
+    from offload._core import _levers
+
+    layers, ref, off, memory, base, act = _short(lambda base, act: base + act / 2)
+    holder = nn.Module()
+    holder.layers = layers
+    _levers.register_head(holder)
+    try:
+        with pytest.warns(UserWarning, match="outside the layers"):
+            for _ in range(3):
+                auto = _run(layers, ref, off, 16)
+    finally:
+        _levers.unregister_head(holder)
+    assert auto["recomputed"], auto
     off.close()
