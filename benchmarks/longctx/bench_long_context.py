@@ -26,7 +26,9 @@ kwargs={"use_reentrant": False})``); ``hf-ckpt-offload`` (the same with
 ``offload=True``, where the installed transformers has it); ``ours-default``
 (``ActivationOffloader(find_layers(model))``, "auto"); ``ours-ckpt``
 (``offload_checkpointing``); ``ours-ckpt-head`` (+ ``sliced_head_loss``);
-``ours-ckpt-head-tile`` (+ ``tile_mlp``); peers (``--methods`` names; each row records
+``ours-ckpt-head-tile`` (+ ``tile_mlp``); ``ours-plan`` (``offload.plan`` at
+``--plan-budget-gib`` of activation peak, default 1.9, head slices of
+``--slice-tokens``, default 1024; CUDA only; the planning time is in the row); peers (``--methods`` names; each row records
 ``peer``, ``peer_version`` and ``loaded_as``):
 
 - ``trl-offload`` / ``trl-offload-ckpt`` (TRL 1.16): one
@@ -128,6 +130,7 @@ METHODS = (
     "ours-ckpt",
     "ours-ckpt-head",
     "ours-ckpt-head-tile",
+    "ours-plan",
     "trl-offload",
     "trl-offload-ckpt",
     "deepspeed-ckpt-offload",
@@ -396,6 +399,8 @@ def apply_method(
             )
         _hf_checkpointing(causal, offload=True)
         return contextlib.nullcontext, False, info
+    if method == "ours-plan":  # planned in the worker, on the step's input (plan_on)
+        return contextlib.nullcontext, False, info
     if method == "ours-default":
         offloader = offload.ActivationOffloader(offload.find_layers(causal))
         info["offloader"] = offloader
@@ -516,6 +521,32 @@ def _auto_settled(offloader: Any) -> bool:
     return (offloader.stats.auto or {"phase": "settled"}).get("phase") == "settled"
 
 
+def plan_on(model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
+            args: argparse.Namespace, info: dict[str, Any]) -> None:  # fmt: skip
+    """``ours-plan``: ``offload.plan`` of the step at ``--plan-budget-gib`` (its head and
+    tiling levers allowed, slices of ``--slice-tokens``), applied to ``model``.
+
+    Raises:
+        NotImplementedError: not on CUDA (the planner measures on CUDA only).
+    """
+    import offload
+
+    if device.type != "cuda":
+        raise NotImplementedError("offload.plan measures on CUDA only")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    start = time.perf_counter()
+    plan = offload.plan(step, offload.find_layers(causal_lm(model)),
+                        budget=int(args.plan_budget_gib * GIB), model=model,
+                        slice_tokens=args.slice_tokens)  # fmt: skip
+    model.zero_grad(set_to_none=False)
+    plan.apply(model)
+    info.update(plan_s=time.perf_counter() - start, plan_summary=plan.summary(),
+                plan_budget_gib=args.plan_budget_gib)  # fmt: skip
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration; every outcome is a row (never raises on OOM)."""
     device = torch.device(args.device)
@@ -528,6 +559,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             vocab = causal_lm(model).config.vocab_size
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, vocab, (1, args.seq), generator=g).to(device)
+            if args.method == "ours-plan":
+                plan_on(model, ids, device, args, info)
             offloader = info.get("offloader")
             settled = None if offloader is None else functools.partial(_auto_settled, offloader)
             result = measure(model, ids, device, context, around_backward, args, settled)
@@ -581,7 +614,9 @@ def spawn(
         result = os.path.join(tmp, "row.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
                "--method", method, "--seq", str(seq), "--warmup", str(warmup),
-               "--steps", str(steps), "--device", args.device, "--result", result]  # fmt: skip
+               "--steps", str(steps), "--device", args.device, "--result", result,
+               "--plan-budget-gib", str(args.plan_budget_gib),
+               "--slice-tokens", str(args.slice_tokens)]  # fmt: skip
         if args.quick:
             cmd.append("--quick")
         env = dict(
@@ -702,6 +737,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     p.add_argument("--quick", action="store_true", help="tiny models (CPU smoke run)")
     p.add_argument("--out", default=None)
+    p.add_argument("--plan-budget-gib", type=float, default=1.9, help="ours-plan's budget")
+    p.add_argument("--slice-tokens", type=int, default=1024, help="ours-plan's head slices")
     p.add_argument(
         "--append",
         action="store_true",
