@@ -4,7 +4,12 @@
 #   PYTHONPATH=. bash benchmarks/gpu_suite.sh [part ...]           # results under ./gpu_out
 #   OUT=benchmarks/results PYTHONPATH=. bash benchmarks/gpu_suite.sh headline   # overwrite
 # Parts (default: tests):
-#   tests      the CUDA tests (pytest -m cuda; torchao from .whl/ when present)
+#   tests      the CUDA tests (pytest -m cuda; torchao from .whl/ when present); WORKERS=n
+#              runs the files whose outcome does not depend on timing or on the device's
+#              free memory in n processes at once (pytest-xdist), then the others alone
+#   longctx    long_context.json: bench_long_context.py, Llama-3-8B shape with LoRA at 16k,
+#              32k and 64k tokens and Llama ~1.1B at 16k, ours against HF checkpointing,
+#              unsloth_zoo and DeepSpeed's tiling (peers from .whl/); then render.py
 #   ref8l      activations_ref8l.json: ref-8L, k = 1, 2, 4, 7, auto, fp8 k = 4, 7, save_on_cpu,
 #              checkpointing
 #   others     others_ref8l.json: torch.compile's memory budget, torchtune, TransformerEngine
@@ -46,8 +51,26 @@ parts=${parts//headline/ref8l planner others}
 for part in $parts; do
   echo "=== $part $(date +%T)"
   case $part in
-    tests) timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests \
-             2>&1 | tee "$OUT/pytest_cuda.log" | tail -25 ;;
+    tests) if [ "${WORKERS:-1}" -gt 1 ]; then
+             alone="tests/activations/auto/test_auto_cuda.py tests/activations/test_first_layer_cuda.py tests/planner tests/profiling"
+             timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider -rs -n "$WORKERS" \
+               --dist loadfile $(for f in $alone; do echo --ignore=$f; done) tests \
+               2>&1 | tee "$OUT/pytest_cuda.log" | tail -12
+             timeout 270 python3 -m pytest -q -m cuda -p no:cacheprovider -rs $alone \
+               2>&1 | tee "$OUT/pytest_cuda_alone.log" | tail -12
+           else timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests \
+             2>&1 | tee "$OUT/pytest_cuda.log" | tail -25; fi ;;
+    longctx) L="timeout 240 python3 $B/longctx/bench_long_context.py --append --timeout 120 \
+             --warmup 1 --steps 2 --out $OUT/long_context.json"
+             timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
+             $L --models llama-8b-lora --seqs 16384 --methods \
+               hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|"
+             $L --models llama-8b-lora --seqs 32768 --methods \
+               hf-ckpt,ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|"
+             $L --models llama-8b-lora --seqs 65536 --warmup 0 --methods \
+               ours-ckpt-head-tile,unsloth-zoo 2>&1 | grep -v "^|"
+             $L --models llama-1b --seqs 16384 --methods \
+               none,hf-ckpt,ours-ckpt-head-tile,ours-plan,unsloth-zoo 2>&1 | grep -v "^|" ;;
     ref8l) timeout 300 python3 $B/activations/bench_activations.py --compress-ks 4,7 \
              --out "$OUT/activations_ref8l.json" 2>&1 | tail -16 ;;
     others) timeout 500 python3 $B/activations/bench_others.py \
