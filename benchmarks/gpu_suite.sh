@@ -9,7 +9,7 @@
 #              free memory in n processes at once (pytest-xdist), then the others alone
 #   longctx    long_context.json: bench_long_context.py, Llama-3-8B shape with LoRA at 16k,
 #              32k and 64k tokens and Llama ~1.1B at 16k, ours against HF checkpointing,
-#              unsloth_zoo and DeepSpeed's tiling (peers from .whl/); then render.py
+#              unsloth_zoo and DeepSpeed's tiling (peers from .whl/, see the script)
 #   ref8l      activations_ref8l.json: ref-8L, k = 1, 2, 4, 7, auto, fp8 k = 4, 7, save_on_cpu,
 #              checkpointing
 #   others     others_ref8l.json: torch.compile's memory budget, torchtune, TransformerEngine
@@ -63,14 +63,17 @@ for part in $parts; do
     longctx) L="timeout 240 python3 $B/longctx/bench_long_context.py --append --timeout 120 \
              --warmup 1 --steps 2 --out $OUT/long_context.json"
              timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
-             $L --models llama-8b-lora --seqs 16384 --methods \
-               hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|"
-             $L --models llama-8b-lora --seqs 32768 --methods \
-               hf-ckpt,ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|"
-             $L --models llama-8b-lora --seqs 65536 --warmup 0 --methods \
-               ours-ckpt-head-tile,unsloth-zoo 2>&1 | grep -v "^|"
-             $L --models llama-1b --seqs 16384 --methods \
-               none,hf-ckpt,ours-ckpt-head-tile,ours-plan,unsloth-zoo 2>&1 | grep -v "^|" ;;
+             # most telling first: a run cut short keeps what it finished
+             for run in "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo" \
+                 "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo" \
+                 "llama-1b 16384 none,ours-plan" \
+                 "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" \
+                 "llama-8b-lora 16384 deepspeed-ckpt-offload-tiled" \
+                 "llama-8b-lora 32768 deepspeed-ckpt-offload-tiled" \
+                 "llama-1b 16384 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo"; do
+               set -- $run
+               $L --models $1 --seqs $2 --methods $3 2>&1 | grep -v "^|"
+             done ;;
     ref8l) timeout 300 python3 $B/activations/bench_activations.py --compress-ks 4,7 \
              --out "$OUT/activations_ref8l.json" 2>&1 | tail -16 ;;
     others) timeout 500 python3 $B/activations/bench_others.py \
