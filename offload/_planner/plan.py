@@ -59,6 +59,7 @@ from offload._planner.levers import (
     summary,
 )
 from offload._planner.search import compression
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 from offload._planner.verify import verified
 from offload._recompute._reentrant import check_recompute
 from offload.config import _check_int
@@ -165,6 +166,9 @@ class Plan:
         #: every plan made from them, so that their first step keeps no more than the
         #: next ones; ``None`` for a plan made by hand (its first step learns)
         self._learnt: list[KeptKeys] | None = None
+        #: the tuning :func:`plan` measured with, which :meth:`replan` searches and
+        #: verifies with unless given other settings
+        self._settings: PlannerSettings = DEFAULT_PLANNER
 
     @classmethod
     def from_levers(
@@ -190,6 +194,7 @@ class Plan:
         step_fn: Callable[[], Any] | None = None,
         model: torch.nn.Module | None = None,
         steps: int = 3,
+        settings: PlannerSettings | None = None,
     ) -> Plan:
         """A new plan for another ``budget`` from the same measured costs (same layers,
         levers allowed, ``compress`` and ``min_tensor_bytes``).
@@ -205,6 +210,9 @@ class Plan:
                 unchecked (no step runs).
             model: the module whose forward runs the layers (with ``step_fn``).
             steps: measured steps per plan checked (after one warm-up). Default ``3``.
+            settings: the search's and the verification's tuning
+                (:class:`~offload._planner.settings.PlannerSettings`). Default ``None``:
+                those this plan was measured with.
 
         Raises:
             RuntimeError: the plan has no costs (made by hand).
@@ -215,6 +223,9 @@ class Plan:
         c = self.costs
         limit = _budget_bytes(budget, c.memory(["keep"] * c.num_layers))
         allowed = self.measured.get("levers", LEVERS)
+        tuning = self._settings if settings is None else settings
+        if not isinstance(tuning, PlannerSettings):
+            raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
 
         def make(levers: list[str]) -> Plan:
             made = Plan(
@@ -225,14 +236,15 @@ class Plan:
                 compress=self.compress,
                 min_tensor_bytes=self.min_tensor_bytes,
                 measured=dict(self.measured),
-                compressed=compression(c, levers) if self.compress else None,
+                compressed=compression(c, levers, tuning) if self.compress else None,
                 recompute=self.recompute,
             )
             made._learnt = self._learnt
+            made._settings = tuning
             return made
 
         _check_int("steps", steps, minimum=1)
-        levers, checks = verified(c, limit, allowed, make, step_fn, model, steps)
+        levers, checks = verified(c, limit, allowed, make, step_fn, model, steps, tuning)
         chosen = make(levers)
         chosen.measured["checks"] = checks
         return chosen
@@ -507,6 +519,7 @@ def plan(
     steps: int = 3,
     warmup: int = 3,
     verify: bool = True,
+    settings: PlannerSettings | None = None,
 ) -> Plan:
     """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
     least predicted step time.
@@ -547,13 +560,17 @@ def plan(
         verify: apply the fastest predicted plan, measure ``steps`` steps (after a
             warm-up) and, when its peak exceeds the budget (the model errs by a few
             percent), plan again with room for the error seen and try that plan, up to
-            ``VERIFY_CANDIDATES`` plans; then measure up to ``VERIFY_RIVALS`` plans
-            predicted within ``VERIFY_CLOSE`` of the one that fits, and every plan of a
+            ``verify_candidates`` plans; then measure up to ``verify_rivals`` plans
+            predicted within ``verify_close`` of the one that fits, and every plan of a
             single lever predicted to fit (nothing, offloading all that hides,
             selective or full recompute of every layer, full recompute with offloaded
-            inputs); measure those that fit again in ``VERIFY_ROUNDS`` alternating
+            inputs); measure those that fit again in ``verify_rounds`` alternating
             rounds and keep the fastest, never a plan slower than the best single lever
-            (constants of ``offload/_planner/verify.py``). Default ``True``.
+            (fields of ``settings``). Default ``True``.
+        settings: the planner's tuning, a frozen
+            :class:`~offload._planner.settings.PlannerSettings` (how long it measures,
+            how wide it searches, what the verification measures). Default ``None``:
+            its defaults.
 
     The activation peak is measured above what is allocated before each step, gradients
     included (they accumulate across the planner's steps). A loop that sets gradients
@@ -583,7 +600,12 @@ def plan(
     _check_arguments(step_fn, layers, budget, model, steps, warmup)
     if model is None:
         model = find_model(step_fn, layers)
-    m = measure_configs(step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup)
+    tuning = DEFAULT_PLANNER if settings is None else settings
+    if not isinstance(tuning, PlannerSettings):
+        raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
+    m = measure_configs(
+        step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup, tuning
+    )
     costs, fitted = fit_costs(m, compress)
     measured = Plan(
         layers,
@@ -595,4 +617,5 @@ def plan(
         recompute=m.recompute,
     )
     measured._learnt = m.learnt
+    measured._settings = tuning
     return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)
