@@ -595,14 +595,14 @@ def plan(
         p.report()
         p.apply(model)      # then train as usual; p.remove() undoes it
     """
+    tuning = DEFAULT_PLANNER if settings is None else settings
+    if not isinstance(tuning, PlannerSettings):
+        raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
     allowed = check_levers(levers, "levers")
     layers = list(layers)
     _check_arguments(step_fn, layers, budget, model, steps, warmup)
     if model is None:
         model = find_model(step_fn, layers)
-    tuning = DEFAULT_PLANNER if settings is None else settings
-    if not isinstance(tuning, PlannerSettings):
-        raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
     m = measure_configs(
         step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup, tuning
     )

@@ -791,7 +791,7 @@ def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str, tie: boo
         seen.extend(schemes)
         t = 0.009 if faster in schemes else 0.01
         host = 0.005
-        if tie:  # 1 % slower, within SCHEME_TIE, with less host time: it wins
+        if tie:  # 1 % slower, within scheme_tie, with less host time: it wins
             t, host = (0.0101, 0.004) if faster in schemes else (0.01, 0.009)
         return {
             "seconds": t,

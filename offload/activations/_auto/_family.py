@@ -57,6 +57,9 @@ The first step's points carry its one-time costs, many times the warm ones: a st
 read against them would scale the warm costs down by as much, every compute time would
 look that much shorter, no copy would look hidden, and ``offload.plan``, which reads
 its layer costs from here, would plan on them.
+
+The tuning named in lower case (``verify_steps``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ State is bounded: at most ``max_points`` sizes are kept; a new size replaces one
 measured at the same size, or the one closest to its neighbours (the spread is what
 makes a fit). A point marked ``cold`` (the process's first step: the allocator and
 the kernels warm up in it) is dropped as soon as a warm one exists.
+
+The tuning named in lower case (``max_points``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations

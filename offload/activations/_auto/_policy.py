@@ -32,6 +32,9 @@ measured, whose step proves the prediction wrong is measured again at the next s
 State is bounded: ``max_families`` kinds of input, ``max_points``
 sizes each, ``max_decisions`` sizes' decisions, ``max_pending`` steps whose times
 are not read yet, bounded sample queues.
+
+The tuning named in lower case (``watch_every``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations

@@ -617,7 +617,7 @@ def test_a_real_slowdown_beyond_the_noise_still_backs_off() -> None:
     assert chosen[0] == L - 1 and chosen[-1] == L - 2, chosen
     assert runs[-1]["phase"] == "settled", runs[-1]
     assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
-    # bounded: the two rounds ran at most VERIFY_STEPS steps without offloading each
+    # bounded: the two rounds ran at most verify_steps steps without offloading each
     assert sum(r["step"] == "none" for r in runs) <= 2 * AUTO.verify_steps
 
 
@@ -655,7 +655,7 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     two: float, noise: tuple[float, ...], kept: bool
 ) -> None:
     # a slow link: the model predicts one layer hidden and two at about 1.07x (within
-    # STEP_UP_REACH times the limit), while a real step with two layers takes ``two``
+    # step_up_reach times the limit), while a real step with two layers takes ``two``
     # times the step without offloading (the prediction on the safe side by one layer,
     # as on the GPU), three 1.10x. Within the limit: the second layer is kept; above
     # it: it comes off again and no step up is tried again. With steps without
@@ -677,7 +677,7 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     else:
         assert moves == [(1, 2), (2, 1)], chosen  # tried once, taken back
         assert runs[-1]["measured_ratio"] <= 1.03
-    # bounded: each of the (at most three) rounds ran at most VERIFY_STEPS steps
+    # bounded: each of the (at most three) rounds ran at most verify_steps steps
     # without offloading; every other step offloaded its choice
     assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * AUTO.verify_steps
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
@@ -707,7 +707,7 @@ def test_step_ups_repeat_while_each_measures_within_and_stop_at_the_first_that_d
     assert moves == [(choice, best), (best, best + 1), (best + 1, best)], chosen
     assert runs[-1]["phase"] == "settled" and runs[-1]["measured_ratio"] <= 1.03, runs[-1]
     assert "1 more than predicted" in runs[-1]["reason"]
-    # bounded: each of the three rounds ran at most VERIFY_STEPS steps without offloading
+    # bounded: each of the three rounds ran at most verify_steps steps without offloading
     assert sum(r["step"] == "none" for r in runs) <= 3 * AUTO.verify_steps
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
 
