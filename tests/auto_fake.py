@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from offload.activations._auto import _fit as _auto_fit
-from offload.activations._auto import _policy as _auto_policy
 from offload.activations._auto._predict import LayerCost, predict_step
 from offload.activations._auto._probe import DeviceMemory, Meter
+from offload.activations._auto._settings import AutoSettings
+
+#: the settings an offloader's "auto" policy uses (its defaults)
+AUTO = AutoSettings()
 
 
 @pytest.fixture
@@ -36,11 +38,11 @@ def one_thread():
 def state_bounds() -> dict[str, int]:
     """The most :meth:`offload.activations._auto._policy.AutoPolicy.state_size` may report."""
     return {
-        "families": _auto_policy.MAX_FAMILIES,
-        "points": _auto_fit.MAX_POINTS,
-        "decisions": _auto_policy.MAX_DECISIONS,
-        "pending": _auto_policy.MAX_PENDING,
-        "samples": _auto_policy.VERIFY_STEPS + _auto_policy.WATCH_STEPS,
+        "families": AUTO.max_families,
+        "points": AUTO.max_points,
+        "decisions": AUTO.max_decisions,
+        "pending": AUTO.max_pending,
+        "samples": AUTO.verify_steps + AUTO.watch_steps,
     }
 
 

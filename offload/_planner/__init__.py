@@ -1,6 +1,7 @@
 """The planner: meet an activation-memory budget at the least step time by choosing one
 lever per layer (:func:`offload.plan`, :class:`offload.Plan`).
 
+* ``settings.py``: :class:`PlannerSettings`, the tuning, frozen, chosen once and passed in;
 * ``levers.py``: the lever names and the recompute levers' wrapped forward;
 * ``costs.py``: the cost model (:class:`~offload.PlanCosts`): memory and time of a plan;
 * ``search.py``: the plans that fit a budget, fastest predicted first;

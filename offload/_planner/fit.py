@@ -3,10 +3,10 @@ measures and the :class:`~offload._planner.costs.PlanCosts` they give.
 
 Configurations, each ``warmup + steps`` steps on the same model and state: nothing; an
 offloader with ``offload_layers="auto"`` (its warm measuring forward gives each layer's
-forward and backward time and saved bytes, and the link bandwidth; :data:`COST_STEPS`
-steps at most); every layer but the last offloaded; every layer selective; every layer
-checkpointed, by each scheme of full recompute in :data:`SCHEME_ROUNDS` alternating
-rounds (levers not allowed are skipped); on CUDA, one more step without levers records the allocator's peak between
+forward and backward time and saved bytes, and the link bandwidth; ``cost_steps`` steps
+at most); every layer but the last offloaded; every layer selective; every layer
+checkpointed, by each scheme of full recompute in ``scheme_rounds`` alternating rounds
+(levers not allowed are skipped; the counts are fields of :class:`PlannerSettings`); on CUDA, one more step without levers records the allocator's peak between
 every two layer boundaries, which gives the workspace of the layers' forwards and
 backwards and that of the head apart. The recompute fractions ``rho_sel`` and ``rho_ckpt`` are fitted so that the
 model predicts the measured peaks of the every-layer configurations; with
@@ -29,11 +29,12 @@ from offload._planner import verify
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import RECOMPUTE_KIND, KeptKeys, Recompute
 from offload._planner.model_levers import ModelLeverSet
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 from offload._recompute._reentrant import RECOMPUTES, NestedBackwardError
 from offload.profiling._timeline import Recorder
 
 __all__ = [
-    "COST_STEPS", "Measured", "find_model", "fit_costs", "measure_configs",
+    "Measured", "find_model", "fit_costs", "measure_configs",
     "measure_model_levers", "memory_moments", "moments_of", "variant_costs",
 ]  # fmt: skip
 
@@ -213,36 +214,26 @@ def moments_of(
     return max(0, max(forward + backward)), max(0, head)
 
 
-#: The most steps the measuring offloader of :func:`_layer_costs` runs. Its first step
-#: is the coldest of the process (pinned host memory allocated, kernels chosen), whose
-#: layer times can be many times the warm ones; ``"auto"`` measures again, warm, within
-#: its next two steps, and the step after that reports the warm costs. Costs are taken
-#: once two consecutive warm reports agree (:func:`_agree`).
-COST_STEPS = 8
-#: How far two consecutive warm reports of a layer's seconds may differ for
-#: :func:`_layer_costs` to take them (relative).
-COST_AGREE = 0.1
-
-
 def _layer_costs(
     step_fn: Callable[[], Any],
     layers: list[torch.nn.Module],
     model: torch.nn.Module,
     min_tensor_bytes: int,
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> dict[str, Any]:
     """The measuring forward of ``offload_layers="auto"``, warm: per-layer costs and the
     link (uncompressed bytes); steps run until two consecutive steps report warm costs
-    that agree (:func:`_agree`; at most :data:`COST_STEPS`, else the last report)."""
+    that agree (:func:`_agree`; at most ``settings.cost_steps``, else the last report)."""
     auto: dict[str, Any] = {}
     last: list[float] | None = None
     with _attached(layers, model, offload_layers="auto", min_tensor_bytes=min_tensor_bytes) as off:
-        for _ in range(COST_STEPS):
+        for _ in range(settings.cost_steps):
             step_fn()
             auto = off.stats.auto or {}
             if "costs" not in auto or auto.get("cold") is not False:
                 continue
             now = [float(c["forward_s"]) + float(c["backward_s"]) for c in auto["costs"]]
-            if last is not None and _agree(now, last):
+            if last is not None and _agree(now, last, settings.cost_agree):
                 break
             last = now
     if "costs" not in auto:
@@ -258,11 +249,11 @@ def _layer_costs(
     return auto
 
 
-def _agree(a: list[float], b: list[float]) -> bool:
-    """Two reports of per-layer seconds within :data:`COST_AGREE` of each other, layer by
+def _agree(a: list[float], b: list[float], tolerance: float) -> bool:
+    """Two reports of per-layer seconds within ``tolerance`` (relative) of each other, layer by
     layer: the costs of one warm measurement, not the first one's scaled to a warm
     step's time (a cold step's one-time costs do not fall evenly on its layers)."""
-    return len(a) == len(b) and all(abs(x - y) <= COST_AGREE * max(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(abs(x - y) <= tolerance * max(x, y) for x, y in zip(a, b))
 
 
 def measure_configs(
@@ -274,12 +265,13 @@ def measure_configs(
     min_tensor_bytes: int,
     steps: int,
     warmup: int,
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> Measured:
     """Run the configurations of the module docstring (levers not in ``allowed``
     skipped) and collect what the cost model needs."""
     L = len(layers)
     configs: dict[str, dict[str, Any]] = {"none": verify.measure_step(step_fn, steps, warmup)}
-    auto = _layer_costs(step_fn, layers, model, min_tensor_bytes)
+    auto = _layer_costs(step_fn, layers, model, min_tensor_bytes, settings)
     saved = [int(c["nbytes"]) for c in auto["costs"]]
     moments = memory_moments(step_fn, layers, saved)
     link = list(saved)
@@ -306,8 +298,8 @@ def measure_configs(
         learnt = [w.kept for w in wrappers]
     recompute = "non_reentrant"
     if any(RECOMPUTE_KIND.get(x) == "checkpoint" for x in allowed):
-        schemes = _measure_schemes(step_fn, layers, steps, warmup)
-        recompute = _faster_scheme(schemes)
+        schemes = _measure_schemes(step_fn, layers, steps, warmup, settings.scheme_rounds)
+        recompute = _faster_scheme(schemes, settings.scheme_tie)
         configs["checkpoint"] = {**schemes[recompute], "recompute": recompute}
         for scheme, got in schemes.items():
             configs[f"checkpoint ({scheme})"] = got
@@ -326,18 +318,15 @@ def measure_configs(
     )
 
 
-#: Rounds of :func:`_measure_schemes`, each measuring both schemes, in turn.
-SCHEME_ROUNDS = 2
-#: Step times of the two schemes closer than this (relative) are a tie, which the one
-#: with less host time wins (:func:`_faster_scheme`).
-SCHEME_TIE = 0.03
-
-
 def _measure_schemes(
-    step_fn: Callable[[], Any], layers: list[torch.nn.Module], steps: int, warmup: int
+    step_fn: Callable[[], Any],
+    layers: list[torch.nn.Module],
+    steps: int,
+    warmup: int,
+    repeats: int,
 ) -> dict[str, dict[str, Any]]:
     """Checkpointing every layer by each scheme of full recompute (Note [full recompute]
-    in recompute.py: neither wins everywhere), in :data:`SCHEME_ROUNDS` alternating
+    in recompute.py: neither wins everywhere), in ``repeats`` alternating
     rounds (the host's speed drifts within a process, and a recompute the host paces
     follows it); a scheme whose backward raised ``NestedBackwardError`` (a step that
     takes gradients by ``torch.autograd.grad``) or under which a layer parameter got no
@@ -347,7 +336,7 @@ def _measure_schemes(
     rounds: dict[str, list[dict[str, Any]]] = {}
     reached: dict[str, set[int]] = {}
     failed: set[str] = set()
-    for r in range(SCHEME_ROUNDS):
+    for r in range(repeats):
         for scheme in RECOMPUTES if r % 2 == 0 else RECOMPUTES[::-1]:
             if scheme in failed:
                 continue
@@ -375,13 +364,13 @@ def _measure_schemes(
     return out
 
 
-def _faster_scheme(schemes: dict[str, dict[str, Any]]) -> str:
-    """The scheme with the shorter median step; within :data:`SCHEME_TIE` of each other,
+def _faster_scheme(schemes: dict[str, dict[str, Any]], tie: float) -> str:
+    """The scheme with the shorter median step; within ``tie`` (relative) of each other,
     the one with the shorter median host time: where the host paces the step, the
     scheme that asks less of it is the one that stays fast when the host slows down."""
     fastest = min(schemes, key=lambda k: schemes[k]["seconds"])
     best = schemes[fastest]["seconds"]
-    tied = [k for k in schemes if schemes[k]["seconds"] <= best * (1 + SCHEME_TIE)]
+    tied = [k for k in schemes if schemes[k]["seconds"] <= best * (1 + tie)]
     if len(tied) > 1 and all(schemes[k]["host_times"] for k in tied):
         return min(tied, key=lambda k: statistics.median(schemes[k]["host_times"]))
     return fastest

@@ -9,7 +9,7 @@ of its forward and of its recompute (the MLP's ``tokens x ffn`` intermediates). 
 holds one set of them (:attr:`offload.Plan.model_levers`); :func:`offload.plan`
 measures the step with each set that is a candidate and plans with each (the cost
 model of that set: ``offload/_planner/fit.py``), and takes a set only where the budget
-needs it or where it is predicted faster (:data:`MODEL_LEVER_GAIN`).
+needs it or where it is predicted faster (``settings.model_lever_gain``).
 
 Equality: both change the float summation order (Note [equality of the levers] in
 ``offload/_planner/verify.py``).
@@ -25,12 +25,12 @@ from torch import nn
 
 from offload._planner.costs import PlanCosts
 from offload._planner.search import candidates
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 from offload._recompute._head import _find_causal_lm, sliced_head_loss
 from offload._recompute._tiled import tile_mlp
 
 __all__ = [
     "MODEL_LEVERS",
-    "MODEL_LEVER_GAIN",
     "TILED_LAYER_LEVERS",
     "ModelLeverSet",
     "check_model_levers",
@@ -46,11 +46,6 @@ __all__ = [
 
 #: The model levers (each usable alone or with the other).
 MODEL_LEVERS = ("sliced_head", "tiled_mlp")
-
-#: A set of model levers that the budget does not need is taken only when its plan is
-#: predicted at least this fraction faster than the fastest plan of a smaller set
-#: (within that, the smaller set: fewer changes to the user's model).
-MODEL_LEVER_GAIN = 0.01
 
 #: The layer levers a plan with ``"tiled_mlp"`` may use. The selective levers keep the
 #: outputs of matrix products, which inside a tiled MLP are every tile's intermediates:
@@ -178,11 +173,14 @@ class ModelLeverSet:
 
 
 def ranked_variants(
-    variants: dict[tuple[str, ...], PlanCosts], limit: float, allowed: Sequence[str]
+    variants: dict[tuple[str, ...], PlanCosts],
+    limit: float,
+    allowed: Sequence[str],
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> list[PlanCosts]:
     """The cost models of the sets of model levers in ``variants`` whose plans can meet
     ``limit``, in the order to try them: those whose fastest predicted plan is within
-    :data:`MODEL_LEVER_GAIN` of the fastest of all, fewest levers first (a lever the
+    ``settings.model_lever_gain`` of the fastest of all, fewest levers first (a lever the
     budget does not need, and that buys no time, stays off), then the others, fastest
     first.
 
@@ -194,7 +192,7 @@ def ranked_variants(
     errors: list[tuple[tuple[str, ...], ValueError]] = []
     for key, costs in variants.items():
         try:
-            ranked = candidates(costs, limit, layer_levers_with(key, allowed))
+            ranked = candidates(costs, limit, layer_levers_with(key, allowed), settings)
         except ValueError as exc:
             errors.append((key, exc))
             continue
@@ -203,7 +201,7 @@ def ranked_variants(
         key, first = max(errors, key=lambda e: len(e[0]))
         raise ValueError(f"{first} (model levers: {describe(key) or 'none'})") from None
     fastest = min(t for t, _, _ in feasible)
-    near = [f for f in feasible if f[0] <= fastest * (1.0 + MODEL_LEVER_GAIN)]
+    near = [f for f in feasible if f[0] <= fastest * (1.0 + settings.model_lever_gain)]
     near.sort(key=lambda f: (len(f[1]), f[0]))
     rest = sorted((f for f in feasible if f not in near), key=lambda f: f[0])
     return [c for _, _, c in near + rest]
@@ -238,10 +236,11 @@ def not_candidates(measured: dict[str, Any]) -> str:
 
 def pick_measured(
     done: list[tuple[PlanCosts, list[str], list[dict[str, Any]]]],
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> tuple[PlanCosts, list[str], list[dict[str, Any]]]:
     """Of the verified plans of up to two sets of model levers (``(costs, levers,
     checks)``, in :func:`ranked_variants` order), the one to keep: the set of fewer
-    levers unless the other measured at least :data:`MODEL_LEVER_GAIN` faster (each
+    levers unless the other measured at least ``settings.model_lever_gain`` faster (each
     plan's pooled median, or its median where it was measured in one block)."""
 
     def seconds(item: tuple[PlanCosts, list[str], list[dict[str, Any]]]) -> float:
@@ -256,6 +255,6 @@ def pick_measured(
     if len(done) == 1:
         return done[0]
     few, many = sorted(done, key=lambda d: len(d[0].model_levers))
-    if seconds(many) < seconds(few) * (1.0 - MODEL_LEVER_GAIN):
+    if seconds(many) < seconds(few) * (1.0 - settings.model_lever_gain):
         return many
     return few

@@ -76,6 +76,7 @@ from offload._planner.model_levers import (
     variants,
 )
 from offload._planner.search import compression
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 from offload._planner.verify import equality, verified
 from offload._recompute._reentrant import check_recompute
 from offload.config import _check_int
@@ -218,6 +219,9 @@ class Plan:
         #: every plan made from them, so that their first step keeps no more than the
         #: next ones; ``None`` for a plan made by hand (its first step learns)
         self._learnt: list[KeptKeys] | None = None
+        #: the tuning :func:`plan` measured with, which :meth:`replan` searches and
+        #: verifies with unless given other settings
+        self._settings: PlannerSettings = DEFAULT_PLANNER
 
     @classmethod
     def from_levers(
@@ -243,6 +247,7 @@ class Plan:
         step_fn: Callable[[], Any] | None = None,
         model: torch.nn.Module | None = None,
         steps: int = 3,
+        settings: PlannerSettings | None = None,
     ) -> Plan:
         """A new plan for another ``budget`` from the same measured costs (same layers,
         levers allowed, ``compress`` and ``min_tensor_bytes``).
@@ -258,6 +263,9 @@ class Plan:
                 unchecked (no step runs).
             model: the module whose forward runs the layers (with ``step_fn``).
             steps: measured steps per plan checked (after one warm-up). Default ``3``.
+            settings: the search's and the verification's tuning
+                (:class:`~offload._planner.settings.PlannerSettings`). Default ``None``:
+                those this plan was measured with.
 
         Raises:
             RuntimeError: the plan has no costs (made by hand).
@@ -269,6 +277,9 @@ class Plan:
         base = sets.get((), self.costs)
         limit = _budget_bytes(budget, base.memory(["keep"] * base.num_layers))
         allowed = self.measured.get("levers", LEVERS)
+        tuning = self._settings if settings is None else settings
+        if not isinstance(tuning, PlannerSettings):
+            raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
 
         def maker(c: PlanCosts) -> Callable[[list[str]], Plan]:
             def make(levers: list[str]) -> Plan:
@@ -280,7 +291,7 @@ class Plan:
                     compress=self.compress,
                     min_tensor_bytes=self.min_tensor_bytes,
                     measured=dict(self.measured),
-                    compressed=compression(c, levers) if self.compress else None,
+                    compressed=compression(c, levers, tuning) if self.compress else None,
                     recompute=self.recompute,
                     model_levers=c.model_levers,
                     head_model=self.head_model,
@@ -289,13 +300,14 @@ class Plan:
                 )
                 made._learnt = self._learnt
                 made._variants = self._variants
+                made._settings = tuning
                 return made
 
             return make
 
         _check_int("steps", steps, minimum=1)
         try:
-            order = ranked_variants(sets, limit, allowed)
+            order = ranked_variants(sets, limit, allowed, tuning)
         except ValueError as exc:
             raise ValueError(f"{exc}{not_candidates(self.measured)}") from None
         error: ValueError | None = None
@@ -310,6 +322,7 @@ class Plan:
                     step_fn,
                     model,
                     steps,
+                    tuning,
                 )
             except ValueError as exc:
                 error = error or exc
@@ -322,7 +335,7 @@ class Plan:
         if not done:
             assert error is not None
             raise error
-        c, levers, checks = pick_measured(done)
+        c, levers, checks = pick_measured(done, tuning)
         chosen = maker(c)(levers)
         chosen.measured["checks"] = checks
         return chosen
@@ -550,6 +563,7 @@ def plan(
     model_levers: Sequence[str] = MODEL_LEVERS,
     slice_tokens: int | str = "auto",
     tile_tokens: int | str = "auto",
+    settings: PlannerSettings | None = None,
 ) -> Plan:
     """Measure ``step_fn`` and choose a lever per layer that meets ``budget`` at the
     least predicted step time.
@@ -590,28 +604,25 @@ def plan(
         verify: apply the fastest predicted plan, measure ``steps`` steps (after a
             warm-up) and, when its peak exceeds the budget (the model errs by a few
             percent), plan again with room for the error seen and try that plan, up to
-            ``VERIFY_CANDIDATES`` plans; then measure up to ``VERIFY_RIVALS`` plans
-            predicted within ``VERIFY_CLOSE`` of the one that fits, and every plan of a
+            ``verify_candidates`` plans; then measure up to ``verify_rivals`` plans
+            predicted within ``verify_close`` of the one that fits, and every plan of a
             single lever predicted to fit (nothing, offloading all that hides,
             selective or full recompute of every layer, full recompute with offloaded
-            inputs); measure those that fit again in ``VERIFY_ROUNDS`` alternating
+            inputs); measure those that fit again in ``verify_rounds`` alternating
             rounds and keep the fastest, never a plan slower than the best single lever
-            (constants of ``offload/_planner/verify.py``). Default ``True``.
-        model_levers: the levers outside the layers' the plan may add
-            (``offload/_planner/model_levers.py``): ``"sliced_head"``, the causal LM's
-            head and loss in slices (:func:`offload.sliced_head_loss`; a candidate only
-            on a Hugging Face ``*ForCausalLM`` whose model holds ``layers`` and a step
-            that passes it ``labels``), and ``"tiled_mlp"``, each layer's ``mlp`` tiled
-            along the sequence (:func:`offload.tile_mlp`; only where every layer has
-            an ``mlp``, some call of it is longer than a tile, and then with no
-            selective lever). The step is measured once more with each set of them
-            that is a candidate, and a set is taken only where the budget needs it or
-            where it is predicted at least ``MODEL_LEVER_GAIN`` faster. Gradients are
-            then equal to the step's without them up to float summation order (Note
-            [equality of the levers] in ``offload/_planner/verify.py``), no longer
-            bitwise. ``measured["model_levers"]`` says why a lever was not a
-            candidate. Default: both (:data:`MODEL_LEVERS`); ``()``: none.
+            (fields of ``settings``). Default ``True``.
+        model_levers: levers outside the layers the plan may add: ``"sliced_head"``
+            (:func:`offload.sliced_head_loss`; on a Hugging Face ``*ForCausalLM``
+            holding ``layers``, a step passing ``labels``) and ``"tiled_mlp"``
+            (:func:`offload.tile_mlp`; every layer has an ``mlp``). Each candidate set is
+            measured and taken only where the budget needs it or it is predicted
+            ``settings.model_lever_gain`` faster; gradients are then equal up to float
+            summation order, not bitwise (Note [equality of the levers]).
+            ``measured["model_levers"]`` says why one was not a candidate. Default:
+            :data:`MODEL_LEVERS`; ``()``: none.
         slice_tokens, tile_tokens: of those levers. Default ``"auto"``.
+        settings: the planner's tuning (a frozen
+            :class:`~offload._planner.settings.PlannerSettings`). Default: its defaults.
 
     The activation peak is measured above what is allocated before each step, gradients
     included (they accumulate across the planner's steps). A loop that sets gradients
@@ -636,6 +647,9 @@ def plan(
         p.report()
         p.apply(model)      # then train as usual; p.remove() undoes it
     """
+    tuning = DEFAULT_PLANNER if settings is None else settings
+    if not isinstance(tuning, PlannerSettings):
+        raise TypeError(f"settings={settings!r}: expected a PlannerSettings or None")
     allowed = check_levers(levers, "levers")
     wanted = check_model_levers(model_levers, "model_levers")
     layers = list(layers)
@@ -643,7 +657,9 @@ def plan(
     if model is None:
         model = find_model(step_fn, layers)
     causal, why_not = lever_candidates(model, layers, wanted)
-    m = measure_configs(step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup)
+    m = measure_configs(
+        step_fn, layers, model, allowed, compress, min_tensor_bytes, steps, warmup, tuning
+    )
     costs, fitted = fit_costs(m, compress)
     keys = [k for k in variants([x for x in wanted if not why_not[x]]) if k]
     got = measure_model_levers(
@@ -678,4 +694,5 @@ def plan(
     )
     measured._learnt = m.learnt
     measured._variants = sets
+    measured._settings = tuning
     return measured.replan(budget, step_fn=step_fn if verify else None, model=model, steps=steps)

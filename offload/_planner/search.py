@@ -12,9 +12,9 @@ may reach the last layer, whose inputs then leave the device before the head (th
 levers of :data:`~offload._planner.levers.NOT_LAST` never take it). For each ``k``,
 ``o``, ``c`` and the two kinds it takes the fewest selective layers that fit (a binary
 search), so it evaluates O(L^3 log L) plans, each in O(L); beyond
-:data:`FULL_SEARCH` layers it tries the counts on a stride first and then every count
-near the fastest families found, which keeps the number of plans about that of
-:data:`FULL_SEARCH` layers. The fastest few of them (:data:`POLISHED`, each more than
+:attr:`PlannerSettings.full_search` layers it tries the counts on a stride first and then
+every count near the fastest families found, which keeps the number of plans about that
+of that many layers. The fastest few of them (:attr:`PlannerSettings.polished`, each more than
 two layers from the others) are then improved by hill climbing (one layer's lever
 changed, or two neighbours swapped, while the predicted time drops within the budget),
 which reaches the plans outside that form that mixed layer kinds favour. The tests
@@ -32,44 +32,23 @@ from collections.abc import Callable, Sequence
 
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import LEVERS, NOT_LAST, OFFLOADED, check_levers, summary
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 
 __all__ = [
-    "COMPRESS_GAIN",
-    "FULL_SEARCH",
-    "HIDDEN_SLOWDOWN",
-    "POLISHED",
-    "REFINED",
     "candidates",
     "compression",
     "optimize",
     "single_levers",
 ]
 
-#: How many of the fastest family plans :func:`candidates` improves layer by layer (the
-#: fastest that differ from each other in more than two layers).
-POLISHED = 6
 
-#: Up to this many layers :func:`candidates` tries every family; with more, every
-#: ``ceil(L / FULL_SEARCH)``-th count of each lever first, then every count near the
-#: :data:`REFINED` fastest families (the search stays about as fast as at this size).
-FULL_SEARCH = 16
-REFINED = 8
-
-#: A layer travels compressed only when that lowers the predicted step by more than
-#: this fraction (compression is lossy: a gain within the model's noise is not one).
-COMPRESS_GAIN = 1e-3
-
-#: "Offload all that hides": the most layers offloaded (a prefix, as
-#: ``offload_layers="auto"`` chooses them) whose predicted step is within this fraction
-#: of the step without levers (``"auto"``'s default ``max_slowdown``).
-HIDDEN_SLOWDOWN = 0.03
-
-
-def compression(costs: PlanCosts, levers: Sequence[str]) -> list[bool]:
+def compression(
+    costs: PlanCosts, levers: Sequence[str], settings: PlannerSettings = DEFAULT_PLANNER
+) -> list[bool]:
     """Which offloaded layers of ``levers`` travel compressed (``costs`` measured with
     ``compress``): none at first, then, one layer at a time, every layer whose
-    compression lowers the predicted step, until none does. Compression is lossy: a
-    layer whose copies hide anyway travels exactly."""
+    compression lowers the predicted step by more than ``settings.compress_gain``, until
+    none does. Compression is lossy: a layer whose copies hide anyway travels exactly."""
     L = costs.num_layers
     mask = [False] * L
     best = costs.seconds(levers, mask)
@@ -81,15 +60,17 @@ def compression(costs: PlanCosts, levers: Sequence[str]) -> list[bool]:
                 continue
             trial = mask[:i] + [True] + mask[i + 1 :]
             t = costs.seconds(levers, trial)
-            if t < best * (1.0 - COMPRESS_GAIN):
+            if t < best * (1.0 - settings.compress_gain):
                 mask, best, improved = trial, t, True
     return mask
 
 
-def single_levers(costs: PlanCosts, levers: Sequence[str] = LEVERS) -> list[tuple[str, list[str]]]:
+def single_levers(
+    costs: PlanCosts, levers: Sequence[str] = LEVERS, settings: PlannerSettings = DEFAULT_PLANNER
+) -> list[tuple[str, list[str]]]:
     """The plans of one lever, as ``(name, levers)``, those of ``levers`` only:
     ``"keep"`` (nothing), ``"offload"`` (the longest prefix of layers whose copies the
-    link hides within :data:`HIDDEN_SLOWDOWN`; absent when not even one layer's does),
+    link hides within ``settings.hidden_slowdown``; absent when not even one layer's does),
     ``"selective"``, ``"checkpoint"`` (every layer) and ``"checkpoint_offload"``
     (every layer but the last, which is checkpointed: its inputs stay, so that no
     backward waits for a reload; the search's plans may offload them too)."""
@@ -97,7 +78,7 @@ def single_levers(costs: PlanCosts, levers: Sequence[str] = LEVERS) -> list[tupl
     L = costs.num_layers
     out: list[tuple[str, list[str]]] = [("keep", ["keep"] * L)]
     if "offload" in allowed and L > 1:
-        limit = costs.seconds(["keep"] * L) * (1.0 + HIDDEN_SLOWDOWN)
+        limit = costs.seconds(["keep"] * L) * (1.0 + settings.hidden_slowdown)
         hides = [k for k in range(1, L) if costs.seconds(_family(L, k, 0, 0, 0)) <= limit]
         if hides:
             out.append(("offload", _family(L, max(hides), 0, 0, 0)))
@@ -122,7 +103,12 @@ def _family(
     )
 
 
-def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS) -> list[str]:
+def optimize(
+    costs: PlanCosts,
+    budget_bytes: float,
+    levers: Sequence[str] = LEVERS,
+    settings: PlannerSettings = DEFAULT_PLANNER,
+) -> list[str]:
     """The lever of each layer that meets ``budget_bytes`` at the least predicted time
     (the first of :func:`candidates`).
 
@@ -131,6 +117,7 @@ def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVE
         budget_bytes: the largest predicted activation peak allowed, in bytes.
         levers: the levers the search may use (``"keep"`` is always allowed).
             Default: all of :data:`LEVERS`.
+        settings: the search's tuning (:class:`PlannerSettings`).
 
     Returns:
         One lever name per layer.
@@ -139,11 +126,14 @@ def optimize(costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVE
         ValueError: no plan of the searched form fits; the message gives the smallest
             budget that does and the plan that reaches it.
     """
-    return candidates(costs, budget_bytes, levers)[0][1]
+    return candidates(costs, budget_bytes, levers, settings)[0][1]
 
 
 def candidates(
-    costs: PlanCosts, budget_bytes: float, levers: Sequence[str] = LEVERS
+    costs: PlanCosts,
+    budget_bytes: float,
+    levers: Sequence[str] = LEVERS,
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> list[tuple[float, list[str]]]:
     """Every plan of the searched form whose predicted peak fits ``budget_bytes`` (for
     each ``k`` offloaded, ``o`` selective_offload, ``c`` checkpointed, checkpoint kind
@@ -212,15 +202,15 @@ def candidates(
                         for sel in sels if near is None else [near[4]]:
                             family(k, o, c, ckpt, sel)
 
-    # Every family up to FULL_SEARCH layers; beyond, the counts on a stride first (about
-    # FULL_SEARCH values each), then every count near the fastest families found.
-    stride = -(-L // FULL_SEARCH)
+    # Every family up to full_search layers; beyond, the counts on a stride first (about
+    # full_search values each), then every count near the fastest families found.
+    stride = -(-L // settings.full_search)
     search(stride)
     if stride > 1:
         best = sorted((t, f) for f, t in families.items() if t != float("inf"))
-        for _, f in best[:REFINED]:
+        for _, f in best[: settings.refined]:
             search(stride, f)
-    for _, single in single_levers(costs, sorted(allowed)):
+    for _, single in single_levers(costs, sorted(allowed), settings):
         mem = costs.memory(single)
         if mem <= budget_bytes and tuple(single) not in seen:
             seen.add(tuple(single))
@@ -239,7 +229,7 @@ def candidates(
     # then improve the best few one layer at a time (plans outside the family: an
     # input-offloaded checkpoint before a selective_offload layer, a plain checkpoint
     # between offloaded ones); improved plans that are new join the list
-    for levers in _distinct(found, POLISHED):
+    for levers in _distinct(found, settings.polished):
         better = _polish(costs, budget_bytes, levers, sorted(allowed), key)
         if tuple(better) not in seen:
             seen.add(tuple(better))

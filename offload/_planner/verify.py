@@ -32,6 +32,7 @@ from offload._core import _measure
 from offload._planner.costs import PlanCosts
 from offload._planner.levers import OFFLOADED, SHORT, summary
 from offload._planner.search import candidates, single_levers
+from offload._planner.settings import DEFAULT_PLANNER, PlannerSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from offload._planner.plan import Plan
@@ -40,14 +41,6 @@ __all__ = [
     "GRAD_ATOL",
     "GRAD_BF16_REL",
     "GRAD_RTOL",
-    "VERIFY_CANDIDATES",
-    "VERIFY_CLOSE",
-    "VERIFY_EXCESS",
-    "VERIFY_GAIN",
-    "VERIFY_RIVALS",
-    "VERIFY_ROUNDS",
-    "VERIFY_SINGLE",
-    "VERIFY_WARMUP",
     "equality",
     "measure_step",
     "verified",
@@ -60,60 +53,19 @@ GRAD_ATOL = 1e-6
 #: ... bf16: the largest difference over the largest magnitude of each gradient.
 GRAD_BF16_REL = 2e-2
 
-#: Plans :func:`verified` applies and measures (at most), until one fits.
-VERIFY_CANDIDATES = 6
-
-#: Once a plan fits, :func:`verified` also measures up to this many of the next fastest
-#: predicted plans (its "rivals") ...
-VERIFY_RIVALS = 3
-
-#: ... those predicted at most this fraction slower than the plan that fits ...
-VERIFY_CLOSE = 0.03
-
-#: ... and when one of them fits too, the plans that fit are measured again in
-#: :data:`VERIFY_ROUNDS` more rounds, each round in the reverse order of the one before,
-#: and each plan's steps pooled: a plan measured once, right after another, differs from
-#: its measurement in alternation with the others by more than the gaps being judged
-#: (the device's speed drifts over a few steps, and a fresh offloader's first steps
-#: allocate) ...
-VERIFY_ROUNDS = 2
-
-#: ... and a rival replaces the model's choice when its pooled median is at least this
-#: fraction faster (about the spread of one plan's pooled medians between runs), or
-#: faster by less and faster in every round (Note [plan against the single lever]).
-VERIFY_GAIN = 0.01
-
-#: When the plan that fits offloads and measures more than this fraction slower than
-#: predicted, the excess is taken for the host's work for offloaded tensors, which the
-#: model leaves out (on a step the host paces it costs device time): it is spread over
-#: the plan's offloaded layers by the share of their bytes each sends, added to every
-#: layer's offloading cost (``PlanCosts.offload_s``), and the fastest plan predicted
-#: with those costs is measured too (``"corrected": True``).
-VERIFY_EXCESS = 0.03
-
-#: Whether the verification measures the single-lever plans that fit
-#: (:func:`~offload._planner.search.single_levers`) and takes the fastest of them when
-#: it measures faster than the plan chosen: the guarantee that a plan is never slower
-#: than the obvious choice.
-VERIFY_SINGLE = True
-
 # Note [plan against the single lever]
 # A plan of several levers is kept over the best single lever that fits only when its
-# pooled median is at least VERIFY_GAIN faster *and* its block was faster in each of
-# the VERIFY_ROUNDS rounds. When the plan chosen is not, the fastest pooled of the
-# other plans measured that is takes its place (the test is against the single lever,
-# not against the first plan); when none is, the single lever is the plan. Where the
+# pooled median is at least verify_gain faster *and* its block was faster in each of
+# the verify_rounds rounds (fields of PlannerSettings). When the plan chosen is not,
+# the fastest pooled of the other plans measured that is takes its place (the test is
+# against the single lever, not against the first plan); when none is, the single
+# lever is the plan. Where the
 # host paces the step, two configurations measured in alternation drift by a few
 # percent from one block to the next, so a pooled lead can come from one block and be
 # behind in the user's run; a lead in every round is one the drift did not make. The
 # rounds only: the first measurements of the two are not adjacent in time. Between
 # plans of several levers neither is the safe default: a rival replaces the model's
-# choice when it leads it by VERIFY_GAIN pooled, or by less in every round.
-
-#: Unmeasured steps before each measured block of the verification: the allocator's
-#: cache is emptied before each block and a plan applied anew makes a new offloader,
-#: whose first steps allocate.
-VERIFY_WARMUP = 2
+# choice when it leads it by verify_gain pooled, or by less in every round.
 
 
 def equality(model_levers: Sequence[str]) -> dict[str, Any]:
@@ -154,22 +106,22 @@ def _every_round(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(x < y for x, y in zip(a["rounds"], b["rounds"]))
 
 
-def _ahead(plan: dict[str, Any], single: dict[str, Any]) -> bool:
+def _ahead(plan: dict[str, Any], single: dict[str, Any], gain: float) -> bool:
     """Whether ``plan`` stays over the best single lever (Note [plan against the single
-    lever]): :data:`VERIFY_GAIN` faster pooled, and faster in every round."""
+    lever]): ``gain`` (a fraction) faster pooled, and faster in every round."""
     if plan is single:
         return True
-    if plan["pooled_seconds"] > single["pooled_seconds"] * (1.0 - VERIFY_GAIN):
+    if plan["pooled_seconds"] > single["pooled_seconds"] * (1.0 - gain):
         return False
     return _every_round(plan, single)
 
 
-def _leads(rival: dict[str, Any], chosen: dict[str, Any]) -> bool:
+def _leads(rival: dict[str, Any], chosen: dict[str, Any], gain: float) -> bool:
     """Whether ``rival`` replaces the model's choice (Note [plan against the single
-    lever]): :data:`VERIFY_GAIN` faster pooled, or faster pooled and in every round."""
+    lever]): ``gain`` (a fraction) faster pooled, or faster pooled and in every round."""
     if rival is chosen or rival["pooled_seconds"] >= chosen["pooled_seconds"]:
         return False
-    if rival["pooled_seconds"] < chosen["pooled_seconds"] * (1.0 - VERIFY_GAIN):
+    if rival["pooled_seconds"] < chosen["pooled_seconds"] * (1.0 - gain):
         return True
     return _every_round(rival, chosen)
 
@@ -182,36 +134,39 @@ def verified(
     step_fn: Callable[[], Any] | None,
     model: torch.nn.Module | None,
     steps: int = 3,
+    settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """The plan to use: the fastest *measured* of the plans that fit ``limit`` among
     the model's fastest predictions, never slower than the best single lever that fits.
+    The counts and fractions named below are fields of ``settings``
+    (:class:`PlannerSettings`).
 
     Fit first. The model's choice is applied and ``steps`` steps measured (after
-    :data:`VERIFY_WARMUP`). When its peak exceeds the budget, the model has
+    ``verify_warmup``). When its peak exceeds the budget, the model has
     under-predicted that plan by ``measured - predicted``; the search runs again for a
     budget lowered by half that error after the first miss and by the largest error
     seen after later ones (plans that fit only within that room are passed over, not
     tried one by one) and the fastest plan not yet tried is measured next, at most
-    :data:`VERIFY_CANDIDATES` in all; when no plan is predicted to fit with that room,
+    ``verify_candidates`` in all; when no plan is predicted to fit with that room,
     the next plan of the first ranking is tried.
 
     Then speed. The model leaves out what it cannot see (the host's work for offloaded
     tensors and selective layers, which costs device time at a step's start, when no
     device work is queued), so plans it ranks within a few percent can measure in
-    another order. The next :data:`VERIFY_RIVALS` plans of the same ranking predicted
-    within :data:`VERIFY_CLOSE` of the one that fits are measured too, and when the
-    one that fits offloads and measured slower than predicted (:data:`VERIFY_EXCESS`),
+    another order. The next ``verify_rivals`` plans of the same ranking predicted
+    within ``verify_close`` of the one that fits are measured too, and when the
+    one that fits offloads and measured slower than predicted (``verify_excess``),
     the fastest plan predicted with that excess charged to offloading.
 
-    Then the guarantee (:data:`VERIFY_SINGLE`). Every single-lever plan predicted to fit
+    Then the guarantee (``verify_single``). Every single-lever plan predicted to fit
     (:func:`~offload._planner.search.single_levers`) is measured; the fastest that
     fits when measured is the one to beat. When no plan of the first two parts fits,
     it is the plan.
 
     When more than one plan fits, every plan that fits is measured again in
-    :data:`VERIFY_ROUNDS` rounds of alternating order, its steps pooled: a rival
-    replaces the model's choice when it is :data:`VERIFY_GAIN` faster, or faster by
-    less in every round; the plan must be :data:`VERIFY_GAIN` faster than the best
+    ``verify_rounds`` rounds of alternating order, its steps pooled: a rival
+    replaces the model's choice when it is ``verify_gain`` faster, or faster by
+    less in every round; the plan must be ``verify_gain`` faster than the best
     single lever and faster in every round to stay; otherwise the fastest other plan
     measured that is takes its place, and when none is, the single lever is the plan
     (Note [plan against the single lever]).
@@ -221,10 +176,10 @@ def verified(
     part; ``"single"``: the name of the single lever for the third; ``"times"``: every
     measured step; ``"pooled_seconds"``: the median of those, for the plans measured in
     rounds; ``"rounds"``: the median of each round's block)."""
-    ranked = candidates(costs, limit, allowed)
+    ranked = candidates(costs, limit, allowed, settings)
     if step_fn is None:
         return ranked[0][1], []
-    run = _Verification(costs, limit, allowed, make, step_fn, model, steps)
+    run = _Verification(costs, limit, allowed, make, step_fn, model, steps, settings)
     return run.choose(ranked), run.checks
 
 
@@ -240,8 +195,10 @@ class _Verification:
         step_fn: Callable[[], Any],
         model: torch.nn.Module | None,
         steps: int,
+        settings: PlannerSettings,
     ) -> None:
         self.costs, self.limit, self.allowed = costs, limit, allowed
+        self.settings = settings
         self.make, self.step_fn, self.model, self.steps = make, step_fn, model, steps
         self.checks: list[dict[str, Any]] = []
         self.tried: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -249,7 +206,7 @@ class _Verification:
     def measure(self, levers: list[str]) -> dict[str, Any]:
         applied = self.make(levers).apply(self.model)
         try:
-            got = measure_step(self.step_fn, self.steps, VERIFY_WARMUP)
+            got = measure_step(self.step_fn, self.steps, self.settings.verify_warmup)
         finally:
             applied.remove()
         return {**got, "compressed": applied.compressed}
@@ -274,19 +231,20 @@ class _Verification:
         return check
 
     def choose(self, first: list[tuple[float, list[str]]]) -> list[str]:
+        s = self.settings
         chosen, ranked, margin = self.fit(first)
         fitting = [] if chosen is None else [chosen]
         if chosen is not None:
-            close = chosen["predicted_seconds"] * (1.0 + VERIFY_CLOSE)
+            close = chosen["predicted_seconds"] * (1.0 + s.verify_close)
             rivals = [(t, lv) for t, lv in ranked if tuple(lv) not in self.tried and t <= close]
-            for predicted, levers in rivals[:VERIFY_RIVALS]:
+            for predicted, levers in rivals[: s.verify_rivals]:
                 check = self.trial(predicted, levers, rival=True)
                 if check["fits"]:
                     fitting.append(check)
             corrected = self.corrected(chosen)
             if corrected is not None and corrected["fits"]:
                 fitting.append(corrected)
-        single = self.best_single() if VERIFY_SINGLE else None
+        single = self.best_single() if s.verify_single else None
         if chosen is None:
             if single is None:
                 _raise_none_fits(self.checks, self.limit, margin)
@@ -296,7 +254,7 @@ class _Verification:
         if len(fitting) > 1:
             for check in fitting:
                 check["rounds"] = []
-            for r in range(VERIFY_ROUNDS):
+            for r in range(s.verify_rounds):
                 for check in fitting[::-1] if r % 2 == 0 else fitting:
                     got = self.measure(check["levers"])
                     check["times"] += got["times"]
@@ -305,10 +263,10 @@ class _Verification:
                 check["pooled_seconds"] = _median(check["times"])
             contenders = [c for c in fitting if c is not single or c is chosen]
             best = min(contenders, key=lambda c: c["pooled_seconds"])
-            if _leads(best, chosen):
+            if _leads(best, chosen, s.verify_gain):
                 chosen = best
-            if single is not None and not _ahead(chosen, single):
-                ahead = [c for c in contenders if _ahead(c, single)]
+            if single is not None and not _ahead(chosen, single, s.verify_gain):
+                ahead = [c for c in contenders if _ahead(c, single, s.verify_gain)]
                 chosen = min(ahead, key=lambda c: c["pooled_seconds"]) if ahead else single
         return chosen["levers"]
 
@@ -321,14 +279,14 @@ class _Verification:
         ranked = first
         margin = 0.0
         misses = 0
-        while len(self.checks) < VERIFY_CANDIDATES:
+        while len(self.checks) < self.settings.verify_candidates:
             if margin > 0:
                 # half the error seen after the first miss (one plan's error overstates
                 # the others': the next plans err less, in either direction), the whole
                 # of it after the next
                 room = margin / 2 if misses == 1 else margin
                 try:
-                    ranked = candidates(self.costs, self.limit - room, self.allowed)
+                    ranked = candidates(self.costs, self.limit - room, self.allowed, self.settings)
                 except ValueError:
                     # nothing is predicted to fit with that much room (the error was
                     # that plan's, not every plan's): the next of the first ranking
@@ -345,18 +303,18 @@ class _Verification:
 
     def corrected(self, chosen: dict[str, Any]) -> dict[str, Any] | None:
         """The check of the fastest plan predicted with the offloading cost that
-        ``chosen``'s excess over its prediction implies (:data:`VERIFY_EXCESS`), or
+        ``chosen``'s excess over its prediction implies (``settings.verify_excess``), or
         ``None`` when there is no such excess or that plan was measured already."""
         costs = self.costs
         weight = sum(costs.share(x) for x in chosen["levers"] if x in OFFLOADED)
         excess = chosen["measured_seconds"] - chosen["predicted_seconds"]
-        if weight <= 0 or excess <= VERIFY_EXCESS * chosen["predicted_seconds"]:
+        if weight <= 0 or excess <= self.settings.verify_excess * chosen["predicted_seconds"]:
             return None
         extra = excess / weight  # seconds per layer's worth of offloaded bytes
         base = costs.offload_s or (0.0,) * costs.num_layers
         costs = dataclasses.replace(costs, offload_s=tuple(s + extra for s in base))
         try:
-            ranked = candidates(costs, self.limit, self.allowed)
+            ranked = candidates(costs, self.limit, self.allowed, self.settings)
         except ValueError:
             return None
         todo = [(t, levers) for t, levers in ranked if tuple(levers) not in self.tried]
@@ -368,7 +326,7 @@ class _Verification:
         """The guarantee: every single-lever plan predicted to fit, measured (those not
         measured yet); the fastest that fits when measured, or ``None``."""
         fits = []
-        for name, levers in single_levers(self.costs, self.allowed):
+        for name, levers in single_levers(self.costs, self.allowed, self.settings):
             if self.costs.memory(levers) > self.limit:
                 continue
             check = self.tried.get(tuple(levers))

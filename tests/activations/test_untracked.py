@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 import offload
-from offload.activations._auto import _policy as _auto_policy
 from offload.activations._auto._predict import LayerCost
 from tests import models
-from tests.auto_fake import FakeMemory, FakeMeter, one_thread  # noqa: F401
+from tests.auto_fake import AUTO, FakeMemory, FakeMeter, one_thread  # noqa: F401
 from tests.models import assert_same, step, twin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,7 +188,7 @@ def test_auto_choosing_no_layer_runs_untracked_and_offloads_again_when_memory_ne
     # nothing to verify: settled once steps without offloading were timed
     assert runs[-1][0]["phase"] == "settled" and "nothing to verify" in runs[-1][0]["verification"]
     assert len(off.stats.layers) == L
-    memory.limit = int((base + act + sum(freed[need : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN))
+    memory.limit = int((base + act + sum(freed[need : L - 1])) / (1 - AUTO.memory_margin))
     hooked = _run(layers, ref, off)
     auto = off.stats.auto
     # memory's need met by offloading, or (the link hides no layer) by recomputing the

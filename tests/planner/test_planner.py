@@ -24,10 +24,12 @@ from offload._planner.costs import PlanCosts
 from offload._planner.levers import LEVERS, OFFLOADED
 from offload._planner.plan import Plan
 from offload._planner.search import optimize
+from offload._planner.settings import PlannerSettings
 from offload._recompute._reentrant import RECOMPUTES
 from offload.models import ReferenceModel
 
 MIB = 1 << 20
+DEFAULTS = PlannerSettings()
 
 
 def _costs(
@@ -496,9 +498,8 @@ def test_cli_plan_flags(capsys) -> None:
 def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeypatch) -> None:
     """``plan(verify=True)`` / ``replan(step_fn=...)``: the fastest predicted plan is
     applied and measured; one whose measured peak exceeds the budget is passed over."""
-    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
-    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
+    # times not modelled here; the fit part only
+    tuning = PlannerSettings(verify_excess=float("inf"), verify_rivals=0, verify_single=False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _search.candidates(c, budget)
@@ -514,7 +515,10 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
     monkeypatch.setattr(_verify, "measure_step", fake_run)
     calls = []
     got = base.replan(
-        int(budget), step_fn=lambda: calls.append(1), model=torch.nn.Sequential(*layers)
+        int(budget),
+        step_fn=lambda: calls.append(1),
+        model=torch.nn.Sequential(*layers),
+        settings=tuning,
     )
     # the first plan measured 5 % of the budget above it: the next one tried is the
     # fastest predicted to fit with half that much room (the first retry's)
@@ -530,7 +534,9 @@ def test_verification_takes_the_next_plan_when_the_measured_peak_is_over(monkeyp
         lambda *a: {"seconds": 1.0, "peak_bytes": 2 * budget, "times": [1.0]},
     )
     with pytest.raises(ValueError, match="measured above it"):
-        base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+        base.replan(
+            int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+        )
 
 
 def test_verification_makes_room_for_the_models_error(monkeypatch, applied_levers) -> None:
@@ -538,9 +544,8 @@ def test_verification_makes_room_for_the_models_error(monkeypatch, applied_lever
     fails, the plan tried next is the fastest predicted to fit with half that much room
     (not the next of the first ranking, which may sit just as close to the budget);
     after a second miss, with all of it, and that one fits."""
-    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
-    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
+    # times not modelled here; the fit part only
+    tuning = PlannerSettings(verify_excess=float("inf"), verify_rivals=0, verify_single=False)
     c = _costs(L=5, bps=1e15)
     budget = c.memory(["keep"] * 5) * 0.45
     error = 0.1 * budget
@@ -553,7 +558,9 @@ def test_verification_makes_room_for_the_models_error(monkeypatch, applied_lever
         return {"seconds": 1.0, "peak_bytes": c.memory(tried[-1]) + error, "times": [1.0]}
 
     monkeypatch.setattr(_verify, "measure_step", fake_run)
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert c.memory(ranked[0][1]) + error > budget  # the first choice fails
     assert tried[0] == ranked[0][1]
     half = [lv for _, lv in _search.candidates(c, int(budget) - error / 2)]
@@ -568,9 +575,8 @@ def test_verification_makes_room_for_the_models_error(monkeypatch, applied_lever
 def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
     """An error so large that no plan is predicted to fit with room for it (one plan's
     error, not every plan's): the next plan tried is the next of the first ranking."""
-    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
-    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)  # the fit part only
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
+    # times not modelled here; the fit part only
+    tuning = PlannerSettings(verify_excess=float("inf"), verify_rivals=0, verify_single=False)
     c = _costs(L=4, bps=1e15)
     budget = c.memory(["keep"] * 4) * 0.6
     ranked = _search.candidates(c, budget)
@@ -582,27 +588,29 @@ def test_verification_falls_back_to_the_first_ranking(monkeypatch) -> None:
         "measure_step",
         lambda *a: {"seconds": 1.0, "peak_bytes": next(measured), "times": [1.0]},
     )
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert got.levers == ranked[1][1]
     assert [ch["fits"] for ch in got.measured["checks"]] == [False, True]
 
 
 def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_levers) -> None:
-    """After a plan fits, the next plans predicted within VERIFY_CLOSE of it are
-    measured too; the plans that fit are measured again in VERIFY_ROUNDS rounds of
-    alternating order and the fastest pooled median is kept (by at least VERIFY_GAIN
+    """After a plan fits, the next plans predicted within verify_close of it are
+    measured too; the plans that fit are measured again in verify_rounds rounds of
+    alternating order and the fastest pooled median is kept (by at least verify_gain
     over the model's choice, or by less in every round: Note [plan against the single
     lever]); a faster plan over the budget is not re-measured or kept,
     a rival that only measured fast once loses, and plans predicted further away are
     not measured at all."""
-    monkeypatch.setattr(_verify, "VERIFY_EXCESS", float("inf"))  # times not modelled here
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)  # the rivals part only
+    # times not modelled here; the rivals part only
+    tuning = PlannerSettings(verify_excess=float("inf"), verify_single=False)
     c = _costs(L=6, bps=20e9)
     budget = c.memory(["keep"] * 6) * 0.55
     ranked = _search.candidates(c, budget)
-    close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + _verify.VERIFY_CLOSE)]
+    close = [lv for t, lv in ranked[1:] if t <= ranked[0][0] * (1 + tuning.verify_close)]
     assert len(close) >= 3, ranked[:5]  # the test needs three rivals
-    assert _verify.VERIFY_ROUNDS == 2
+    assert tuning.verify_rounds == 2
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(6))
     base = Plan(layers, ["keep"] * 6, costs=c, budget_bytes=None, min_tensor_bytes=0)
     tried = applied_levers
@@ -612,7 +620,7 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_leve
         blocks: dict[tuple[str, ...], int] = {}
 
         def fake_run(step_fn, steps, warmup):
-            assert steps == 3 and warmup == _verify.VERIFY_WARMUP
+            assert steps == 3 and warmup == tuning.verify_warmup
             key = tuple(tried[-1])
             peak, seconds = table[key]
             i = blocks.get(key, 0)
@@ -632,7 +640,9 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_leve
         tuple(r3): (ok, [0.95, 0.9, 0.9]),
     }
     monkeypatch.setattr(_verify, "measure_step", run_with(table))
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert tried == [chosen, r1, r2, r3] + [r3, r2, chosen] + [chosen, r2, r3]
     assert got.levers == r3
     checks = got.measured["checks"]
@@ -640,15 +650,17 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_leve
     assert [ch["fits"] for ch in checks] == [True, False, True, True]
     assert [ch.get("pooled_seconds") for ch in checks] == [1.0, None, 0.95, 0.9]
     assert [len(ch["times"]) for ch in checks] == [9, 3, 9, 9]
-    # the fastest pooled rival is less than VERIFY_GAIN faster and behind in one round:
+    # the fastest pooled rival is less than verify_gain faster and behind in one round:
     # the model's choice stays; ahead in every round by as little, the rival is kept
-    near = 1.0 - _verify.VERIFY_GAIN / 2
+    near = 1.0 - tuning.verify_gain / 2
     table[tuple(r2)] = (ok, [1.02] * 3)
     for r3_blocks, kept in (([near, near, 1.001], chosen), ([near] * 3, r3)):
         tried.clear()
         table[tuple(r3)] = (ok, r3_blocks)
         monkeypatch.setattr(_verify, "measure_step", run_with(table))
-        got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+        got = base.replan(
+            int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+        )
         assert got.levers == kept and len(tried) == 10
         assert got.measured["checks"][3]["pooled_seconds"] == near
     # no rival fits: no rounds
@@ -656,17 +668,21 @@ def test_verification_keeps_the_fastest_measured_rival(monkeypatch, applied_leve
     for key in (tuple(r2), tuple(r3)):
         table[key] = (over, [0.5])
     monkeypatch.setattr(_verify, "measure_step", run_with(table))
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert got.levers == chosen and tried == [chosen, r1, r2, r3]
     # nothing predicted close: only the model's choice is measured
     tried.clear()
-    monkeypatch.setattr(_verify, "VERIFY_CLOSE", 0.0)
+    tuning = dataclasses.replace(tuning, verify_close=0.0)
     monkeypatch.setattr(_verify, "measure_step", run_with(table))
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert all(t > ranked[0][0] for t, _ in ranked[1:])  # no tie either
     assert tried == [chosen] and got.levers == chosen
     with pytest.raises(ValueError, match="steps"):
-        base.replan(int(budget), step_fn=lambda: None, model=layers, steps=0)
+        base.replan(int(budget), step_fn=lambda: None, model=layers, steps=0, settings=tuning)
 
 
 def test_offload_cost_per_layer_counts_only_for_offloaded_layers() -> None:
@@ -775,7 +791,7 @@ def test_plan_keeps_the_faster_full_recompute(monkeypatch, faster: str, tie: boo
         seen.extend(schemes)
         t = 0.009 if faster in schemes else 0.01
         host = 0.005
-        if tie:  # 1 % slower, within SCHEME_TIE, with less host time: it wins
+        if tie:  # 1 % slower, within scheme_tie, with less host time: it wins
             t, host = (0.0101, 0.004) if faster in schemes else (0.01, 0.009)
         return {
             "seconds": t,
@@ -928,12 +944,11 @@ def test_checkpoint_offload_sends_only_the_inputs(recompute: str) -> None:
 
 def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_levers) -> None:
     """A plan that offloads and measures slower than predicted by more than
-    VERIFY_EXCESS (the host's work for offloaded tensors, which the model leaves out)
+    verify_excess (the host's work for offloaded tensors, which the model leaves out)
     makes the verification measure the fastest plan predicted with that excess charged
-    to offloading; the faster of the two measured is kept. Within VERIFY_EXCESS nothing
+    to offloading; the faster of the two measured is kept. Within verify_excess nothing
     more is measured."""
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
-    monkeypatch.setattr(_verify, "VERIFY_RIVALS", 0)
+    tuning = PlannerSettings(verify_single=False, verify_rivals=0)
     c = _costs(L=6, bps=1000e9)  # the link hides every copy
     budget = c.memory(["keep"] * 6) * 0.55
     first = _search.candidates(c, budget)[0][1]
@@ -954,7 +969,9 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_lever
         return fake_run
 
     monkeypatch.setattr(_verify, "measure_step", measured_with(4e-3))
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     checks = got.measured["checks"]
     assert checks[0]["levers"] == first and checks[1].get("corrected") is True
     fixed = checks[1]["levers"]
@@ -962,12 +979,14 @@ def test_verification_charges_an_excess_to_offloading(monkeypatch, applied_lever
     assert checks[1]["measured_seconds"] < checks[0]["measured_seconds"]
     assert got.levers == fixed
     assert [r["name"] for r in got.prediction_errors()][-2:] == ["plan", "corrected"]
-    # an excess within VERIFY_EXCESS: the model's choice alone
+    # an excess within verify_excess: the model's choice alone
     tried.clear()
-    small = 0.5 * _verify.VERIFY_EXCESS * c.seconds(first)
+    small = 0.5 * tuning.verify_excess * c.seconds(first)
     small /= sum(c.share(x) for x in first if x in OFFLOADED)
     monkeypatch.setattr(_verify, "measure_step", measured_with(small))
-    got = base.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+    got = base.replan(
+        int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+    )
     assert tried == [first] and got.levers == first
 
 
@@ -1016,7 +1035,7 @@ def test_memory_model_matches_its_definition(seed: int) -> None:
 
 @pytest.mark.slow  # every family of 20 layers searched: `-m slow`
 def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
-    """Beyond ``_FULL_SEARCH`` layers the counts of each lever are tried on a stride,
+    """Beyond ``full_search`` layers the counts of each lever are tried on a stride,
     then every count near the fastest families (so that 80 layers take seconds, not
     hours). On random unequal layers it finds a plan as fast as the search of every
     family (measured when written: 20 of 20 cases of 20 layers equal, 10 seeds and two
@@ -1040,10 +1059,13 @@ def test_search_of_many_layers_matches_the_full_search(monkeypatch) -> None:
         )
         for fraction in (0.3, 0.6):
             cases.append((c, fraction * c.memory(["keep"] * L)))
-    assert L > _search.FULL_SEARCH  # the strided search runs
+    assert L > DEFAULTS.full_search  # the strided search runs
     strided = [_search.candidates(c, budget)[0] for c, budget in cases]
-    monkeypatch.setattr(_search, "FULL_SEARCH", 1000)
-    full = [_search.candidates(dataclasses.replace(c), budget)[0] for c, budget in cases]
+    tuning = PlannerSettings(full_search=1000)
+    full = [
+        _search.candidates(dataclasses.replace(c), budget, settings=tuning)[0]
+        for c, budget in cases
+    ]
     for (c, budget), (t, levers), (want, _) in zip(cases, strided, full):
         assert c.memory(levers) <= budget
         assert t <= want * 1.01, (levers, t, want)
@@ -1093,8 +1115,9 @@ def test_layer_costs_wait_for_two_warm_reports_that_agree(monkeypatch) -> None:
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
     auto = fit._layer_costs(step, layers, torch.nn.Sequential(*layers), 0)
     assert auto is warm and len(steps) == 5  # the scaled cold report was not taken
-    assert fit._agree([1.0, 2.0], [1.05, 1.9]) and not fit._agree([1.0, 2.0], [1.0, 2.5])
-    assert not fit._agree([1.0], [1.0, 1.0])
+    tol = DEFAULTS.cost_agree
+    assert fit._agree([1.0, 2.0], [1.05, 1.9], tol) and not fit._agree([1.0, 2.0], [1.0, 2.5], tol)
+    assert not fit._agree([1.0], [1.0, 1.0], tol)
 
 
 def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
@@ -1123,7 +1146,7 @@ def test_layer_costs_come_from_the_warm_measurement(monkeypatch) -> None:
     assert [c["forward_s"] for c in auto["costs"]] == pytest.approx([1e-3] * L, rel=0.3)
     assert [c["backward_s"] for c in auto["costs"]] == pytest.approx([2e-3] * L, rel=0.3)
     assert any(r.cold for r in meter.records)  # the cold step was there, and left out
-    assert len(meter.records) <= fit.COST_STEPS
+    assert len(meter.records) <= DEFAULTS.cost_steps
 
 
 def test_timed_steps_count_the_host_seconds_of_each_timed_step() -> None:

@@ -19,7 +19,10 @@ from offload._planner import verify as _verify
 from offload._planner.costs import PlanCosts
 from offload._planner.fit import moments_of
 from offload._planner.plan import Plan
+from offload._planner.settings import PlannerSettings
 from offload.models import ReferenceModel
+
+DEFAULTS = PlannerSettings()
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -135,7 +138,7 @@ def test_single_levers() -> None:
     k = some["offload"].count("offload")
     assert 0 < k < L - 1 and some["offload"] == ["offload"] * k + ["keep"] * (L - k)
     c2 = _llama_like()
-    limit = c2.seconds(["keep"] * L) * (1 + _search.HIDDEN_SLOWDOWN)
+    limit = c2.seconds(["keep"] * L) * (1 + DEFAULTS.hidden_slowdown)
     assert c2.seconds(some["offload"]) <= limit  # the longest prefix that hides
     assert c2.seconds(["offload"] * (k + 1) + ["keep"] * (L - k - 1)) > limit
     only = dict(_search.single_levers(c, ["checkpoint_offload"]))
@@ -264,7 +267,7 @@ def _against_checkpointing(monkeypatch, gains_of) -> tuple[dict, dict, list[list
 @pytest.mark.parametrize(
     ("gains", "stays"),
     [
-        ((0.005, 0.005, 0.005), False),  # ahead in every round, by less than VERIFY_GAIN
+        ((0.005, 0.005, 0.005), False),  # ahead in every round, by less than verify_gain
         ((0.015, 0.015, 0.015), True),  # ahead by more, in every round
         ((0.06, 0.06, -0.01), False),  # far ahead pooled, behind in the last round
         ((-0.05, 0.015, 0.015), True),  # behind only in the first measurement
@@ -275,14 +278,14 @@ def test_a_plan_ahead_of_the_best_single_lever_stays_only_when_ahead_in_every_ro
 ) -> None:
     """Note [plan against the single lever]: the model's choice measures ``gains[i]``
     faster than checkpointing every layer (the best single lever) in its i-th
-    measurement; it stays only when it is VERIFY_GAIN faster pooled and faster in every
+    measurement; it stays only when it is verify_gain faster pooled and faster in every
     round (the other plans measure slower than checkpointing)."""
     got, seen, ranked = _against_checkpointing(monkeypatch, {0: gains})
     mixed = ranked[0]
-    assert seen[tuple(mixed)] == 1 + _verify.VERIFY_ROUNDS  # the first, then the rounds
+    assert seen[tuple(mixed)] == 1 + DEFAULTS.verify_rounds  # the first, then the rounds
     assert got["levers"] == (mixed if stays else ["checkpoint"] * len(mixed))
     (plan,) = [ch for ch in got["checks"] if ch["levers"] == mixed]
-    assert len(plan["rounds"]) == _verify.VERIFY_ROUNDS
+    assert len(plan["rounds"]) == DEFAULTS.verify_rounds
 
 
 @pytest.mark.parametrize(
@@ -302,7 +305,7 @@ def test_a_rival_ahead_in_every_round_takes_the_place_of_a_plan_that_is_not(
     got, seen, ranked = _against_checkpointing(
         monkeypatch, {0: (0.06, 0.06, -0.01), 1: rival_gains}
     )
-    assert all(n == 1 + _verify.VERIFY_ROUNDS for n in seen.values())  # both measured
+    assert all(n == 1 + DEFAULTS.verify_rounds for n in seen.values())  # both measured
     rival = ranked[1]
     assert got["levers"] == (rival if rival_stays else ["checkpoint"] * len(rival))
 
@@ -318,9 +321,11 @@ def test_when_no_plan_fits_the_best_single_lever_that_does_is_the_plan(monkeypat
     start = Plan(layers, ["keep"] * L, costs=c)
     got = start.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
     assert got.levers == ckpt_off
-    monkeypatch.setattr(_verify, "VERIFY_SINGLE", False)
+    tuning = PlannerSettings(verify_single=False)
     with pytest.raises(ValueError, match="measured above it"):
-        start.replan(int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers))
+        start.replan(
+            int(budget), step_fn=lambda: None, model=torch.nn.Sequential(*layers), settings=tuning
+        )
 
 
 # ---- compression per layer --------------------------------------------------------------

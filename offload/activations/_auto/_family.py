@@ -3,26 +3,26 @@ measured sizes, the scale real steps put on the measured costs, and the verifica
 its choice against steps without offloading (:class:`Phase`).
 
 A verification round measures steady state against steps without offloading: the
-first :data:`WARMUP_STEPS` steps of the choice after a measuring forward, and the first
-:data:`CHANGE_WARMUP_STEPS` after a change of the choice, are not counted (the
+first ``warmup_steps`` steps of the choice after a measuring forward, and the first
+``change_warmup_steps`` after a change of the choice, are not counted (the
 offloader allocates pinned memory and reload buffers in them, and the allocator
 settles); then steps without offloading alternate with steps
 of the choice, each step of the choice paired with the step without offloading just
 before it (drift of the device between distant steps cancels). The median of the
-paired ratios is the measured ratio; the round decides after :data:`MIN_PAIRS` pairs
-when all agree, else after :data:`VERIFY_STEPS`. The tolerance is ``1 + max_slowdown``
+paired ratios is the measured ratio; the round decides after ``min_pairs`` pairs
+when all agree, else after ``verify_steps``. The tolerance is ``1 + max_slowdown``
 plus the measured noise (:meth:`Family.noise`: the spread of the steps without
 offloading, at most ``max_slowdown``): above it one layer comes off (``backoff``) and
 a round of the new choice follows; within it, the choice is settled (a choice the
 prediction found free is not given up for a difference the noise explains) and the
-median ratio of its last :data:`WATCH_STEPS` timed steps is watched against the same
+median ratio of its last ``watch_steps`` timed steps is watched against the same
 tolerance: past it, a fresh round (new steps without offloading) starts. A choice
 memory forces is never backed off.
 
 The step up: the prediction for one more layer is on the safe side (a few percent of
 error in the link's rate or a layer's time moves that layer's stall by as much as the
 whole limit), so a choice measured within ``1 + max_slowdown`` itself (not only within
-the noise) whose next layer is predicted within ``1 + STEP_UP_REACH * max_slowdown``
+the noise) whose next layer is predicted within ``1 + step_up_reach * max_slowdown``
 takes that layer (``backoff`` goes negative) and verifies it in a round of its own,
 against ``1 + max_slowdown`` without the noise (the prediction did not find that layer
 free, so the noise's doubt does not count for it); above, the layer comes off again as
@@ -35,11 +35,11 @@ ratios carry the prediction's error between sizes, and a trial that fails runs i
 steps above the limit.
 
 The scale: a timed step whose measured/predicted ratio the prediction can explain (a
-size measured, one within :data:`offload.activations._auto._fit.EXTRAPOLATION` of those measured,
-or one whose ratio is within :data:`PREDICTION_TOLERANCE` of the scale) moves the scale
+size measured, one within ``extrapolation`` of those measured,
+or one whose ratio is within ``prediction_tolerance`` of the scale) moves the scale
 (the lower quartile of the ratios, kept per kind of step; steps without offloading
 first, as they hold no stall), which multiplies every predicted compute time; a move of
-more than :data:`RESCALE` re-decides, and starts the round again only where the choice
+more than ``rescale`` re-decides, and starts the round again only where the choice
 changes. A step at another size whose ratio is further off means the prediction was
 wrong there: the next step measures again. When the measured sizes change, the scale is
 taken again from the steps without offloading kept (:meth:`Family.rescale`).
@@ -57,6 +57,9 @@ The first step's points carry its one-time costs, many times the warm ones: a st
 read against them would scale the warm costs down by as much, every compute time would
 look that much shorter, no copy would look hidden, and ``offload.plan``, which reads
 its layer costs from here, would plan on them.
+
+The tuning named in lower case (``verify_steps``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations
@@ -70,18 +73,9 @@ from typing import Any
 from offload.activations._auto import _predict as _auto
 from offload.activations._auto._fit import Estimate, ShapeModel
 from offload.activations._auto._probe import DeviceMemory, StepWatch
+from offload.activations._auto._settings import DEFAULT_AUTO, AutoSettings
 
 __all__ = [
-    "MAX_DECISIONS",
-    "MIN_PAIRS",
-    "PREDICTION_TOLERANCE",
-    "RESCALE",
-    "RESIDUALS",
-    "STEP_UP_REACH",
-    "VERIFY_STEPS",
-    "CHANGE_WARMUP_STEPS",
-    "WARMUP_STEPS",
-    "WATCH_STEPS",
     "Family",
     "Memory",
     "Phase",
@@ -90,32 +84,6 @@ __all__ = [
     "StepRecord",
     "base_seconds",
 ]
-
-#: Pairs (a step without offloading, then one of the choice) per verification round, at
-#: most; also the steps without offloading kept.
-VERIFY_STEPS = 5
-#: Pairs after which a round decides when every pair's ratio is on the same side.
-MIN_PAIRS = 3
-#: Steps of the choice not counted after a measuring forward (the offloader's first
-#: steps at its plan), and after a change of the choice.
-WARMUP_STEPS = 2
-CHANGE_WARMUP_STEPS = 1
-#: Steps of the choice whose median ratio is watched once settled.
-WATCH_STEPS = 5
-#: Measured/predicted step-time ratios kept per kind of step (their median scales the
-#: predicted compute).
-RESIDUALS = 8
-#: A step's measured/predicted ratio this far from the median of those before it means
-#: the prediction for its size was wrong: the next step is measured again.
-PREDICTION_TOLERANCE = 0.10
-#: Sizes whose costs and decisions are kept per kind of input (the last used).
-MAX_DECISIONS = 16
-#: A change of the scale by more than this re-decides; a round starts again only where
-#: that changes the choice.
-RESCALE = 0.05
-#: A verified choice takes one more layer, measured, when the prediction for it is
-#: within ``1 + STEP_UP_REACH * max_slowdown`` (module docstring: the step up).
-STEP_UP_REACH = 3.0
 
 
 class Phase(enum.Enum):
@@ -200,13 +168,14 @@ class StepRecord:
 class Family:
     """One kind of input: its measured sizes, scale, verification state and back-off."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: AutoSettings = DEFAULT_AUTO) -> None:
+        self.settings = settings
         self.model: ShapeModel | None = None
         self.phase = Phase.MEASURE
         self.scale = 1.0
         self.residuals: dict[Run, collections.deque[float]] = {
-            Run.NONE: collections.deque(maxlen=RESIDUALS),
-            Run.PLAN: collections.deque(maxlen=RESIDUALS),
+            Run.NONE: collections.deque(maxlen=settings.residuals),
+            Run.PLAN: collections.deque(maxlen=settings.residuals),
         }
         self.generation = 0
         #: layers taken off the prediction's choice (negative: added by a step up)
@@ -214,13 +183,13 @@ class Family:
         self.step_up = True  # no back-off yet: a step up may be tried
         #: steps without offloading: (tokens, quad, seconds); in flight: not read yet
         self.none: collections.deque[tuple[int, int, float]] = collections.deque(
-            maxlen=VERIFY_STEPS
+            maxlen=settings.verify_steps
         )
         self.none_in_flight = 0
         #: steps of the choice this generation: (tokens, quad, seconds, forced, ratio to
         #: the step without offloading just before it, or None when unpaired)
         self.plan: collections.deque[tuple[int, int, float, bool, float | None]] = (
-            collections.deque(maxlen=WATCH_STEPS)
+            collections.deque(maxlen=settings.watch_steps)
         )
         #: the last step without offloading read: (tick, tokens, quad, seconds)
         self.last_none: tuple[int, int, int, float] | None = None
@@ -259,7 +228,7 @@ class Family:
         choice is verified again (the steps without offloading are kept)."""
         self.generation += 1
         self.plan.clear()
-        self.warmup = max(self.warmup, CHANGE_WARMUP_STEPS)
+        self.warmup = max(self.warmup, self.settings.change_warmup_steps)
         self.round_none = 0
         if self.phase is Phase.SETTLED:
             self.phase = Phase.VERIFY
@@ -299,7 +268,7 @@ class Family:
 
     def sized(self, tokens: int, quad: int) -> Sized:
         """The costs at one size (cached per size while the points do not change, the
-        :data:`MAX_DECISIONS` sizes used last)."""
+        ``max_decisions`` sizes used last)."""
         model = self.model
         sized = self.sizes.get((tokens, quad))
         if sized is None or sized.version != model.version:  # type: ignore[union-attr]
@@ -309,7 +278,7 @@ class Family:
             for k in range(L - 2, -1, -1):
                 kept[k] = kept[k + 1] + est.freed[k]
             sized = self.sizes[(tokens, quad)] = Sized(model.version, est, kept)  # type: ignore[union-attr]
-            while len(self.sizes) > MAX_DECISIONS:
+            while len(self.sizes) > self.settings.max_decisions:
                 self.sizes.popitem(last=False)
         self.sizes.move_to_end((tokens, quad))
         return sized
@@ -356,17 +325,17 @@ class Family:
         limit = 1.0 + max_slowdown
         samples = list(self.plan)
         if self.phase is Phase.VERIFY:
-            if len(self.none) < MIN_PAIRS:
+            if len(self.none) < self.settings.min_pairs:
                 return
-            ratios = self.ratio(samples[-VERIFY_STEPS:])
-            if len(ratios) < MIN_PAIRS:
+            ratios = self.ratio(samples[-self.settings.verify_steps :])
+            if len(ratios) < self.settings.min_pairs:
                 return
             # a step up is taken on a measurement within the limit itself (the
             # prediction did not find it free: no benefit of the noise's doubt)
             tol = limit if self.backoff < 0 else limit + self.noise(max_slowdown)
             m = statistics.median(ratios)
             self.measured_ratio = m
-            if len(ratios) < VERIFY_STEPS:
+            if len(ratios) < self.settings.verify_steps:
                 if all(r > tol for r in ratios):
                     m = min(ratios)
                 elif not all(r <= tol for r in ratios):
@@ -388,7 +357,9 @@ class Family:
                 )
             else:
                 self.settle(f"verified: {m:.3f}x against steps without offloading")
-        elif self.phase is Phase.SETTLED and len(samples) >= WATCH_STEPS and self.none:
+        elif (
+            self.phase is Phase.SETTLED and len(samples) >= self.settings.watch_steps and self.none
+        ):
             ratios = self.ratio(samples)
             measured = statistics.median(ratios) if ratios else None
             self.measured_ratio = measured
@@ -426,14 +397,14 @@ class Family:
         elif (
             exact
             or self.model.within(record.tokens)
-            or abs(seconds / predicted / self.scale - 1.0) <= PREDICTION_TOLERANCE
+            or abs(seconds / predicted / self.scale - 1.0) <= self.settings.prediction_tolerance
         ):
             rho = seconds / predicted
             # what the step took beyond the prediction is the instrumentation's share
             # (and the first step's), at every size the prediction holds
             self.residuals[run].append(rho)
             scale = _low(self.residuals[Run.NONE] or self.residuals[Run.PLAN])
-            if abs(scale / self.scale - 1.0) > RESCALE:
+            if abs(scale / self.scale - 1.0) > self.settings.rescale:
                 # re-decided at the next step; the round starts again only where that
                 # changes the choice (AutoPolicy._decide): where step times jitter the
                 # scale moves often, and a restart at every move could leave a round
@@ -466,7 +437,7 @@ class Family:
             self.step_up
             and m <= 1.0 + max_slowdown
             and next_ratio is not None
-            and next_ratio <= 1.0 + STEP_UP_REACH * max_slowdown
+            and next_ratio <= 1.0 + self.settings.step_up_reach * max_slowdown
             and not any(s[3] for s in samples)
             and len({(s[0], s[1]) for s in samples} | {(n, q) for n, q, _ in self.none}) == 1
         )

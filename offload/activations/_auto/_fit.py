@@ -10,13 +10,16 @@ gap after the last layer, the activation peak) is fitted as ``y = a*n + b*q + c`
 three terms (the best fit whose coefficients are all non-negative wins; with fewer
 points than terms, the subsets that points can determine, the fewest terms preferred
 last): one point scales with ``n``; two fit ``a*n + b*q``. Within a measured step,
-identical layer calls whose times disagree by more than :data:`ONE_TIME` carry a
+identical layer calls whose times disagree by more than ``one_time`` carry a
 one-time cost (:func:`steady`), which no other step pays.
 
-State is bounded: at most :data:`MAX_POINTS` sizes are kept; a new size replaces one
+State is bounded: at most ``max_points`` sizes are kept; a new size replaces one
 measured at the same size, or the one closest to its neighbours (the spread is what
 makes a fit). A point marked ``cold`` (the process's first step: the allocator and
 the kernels warm up in it) is dropped as soon as a warm one exists.
+
+The tuning named in lower case (``max_points``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations
@@ -28,12 +31,9 @@ from collections.abc import Sequence
 import torch
 
 from offload.activations._auto._predict import LayerCost
+from offload.activations._auto._settings import DEFAULT_AUTO, AutoSettings
 
 __all__ = [
-    "ALIKE",
-    "EXTRAPOLATION",
-    "MAX_POINTS",
-    "ONE_TIME",
     "Estimate",
     "Point",
     "ShapeModel",
@@ -43,15 +43,6 @@ __all__ = [
     "warm_up",
 ]
 
-#: Sizes measured and kept per kind of input.
-MAX_POINTS = 6
-#: How far (a factor in tokens) beyond the sizes measured a prediction is trusted.
-EXTRAPOLATION = 1.25
-#: Calls whose saved bytes differ by less than this factor are alike (:func:`steady`).
-ALIKE = 1.25
-#: A layer call's time above this multiple of the median over identical calls is a
-#: one-time cost (:func:`steady`).
-ONE_TIME = 2.0
 
 #: Quantities per layer call in a point's ``values``, in this order.
 FIELDS = ("forward_s", "backward_s", "host_forward_s", "host_backward_s", "link", "freed")
@@ -104,8 +95,9 @@ class ShapeModel:
     """The measured sizes of one kind of input (``num_groups`` layer calls) and the fit
     that predicts the others (module docstring)."""
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, settings: AutoSettings = DEFAULT_AUTO) -> None:
         self.num_groups = num_groups
+        self.settings = settings
         self.points: list[Point] = []
         self._coef: torch.Tensor | None = None  # [3, columns] over scaled terms
         self._scale = (1.0, 1.0)
@@ -121,7 +113,7 @@ class ShapeModel:
         keep = [p for p in self.points if (p.tokens, p.quad) != (point.tokens, point.quad)]
         if not point.cold:
             keep = [p for p in keep if not p.cold]
-        while len(keep) >= MAX_POINTS:
+        while len(keep) >= self.settings.max_points:
             keep.remove(_most_crowded(keep))
         keep.append(point)
         self.points = keep
@@ -148,13 +140,13 @@ class ShapeModel:
 
     def within(self, tokens: int) -> bool:
         """Whether ``tokens`` lies inside the sizes measured (warm ones where any),
-        widened by :data:`EXTRAPOLATION` each way: a prediction there is trusted, and
+        widened by ``extrapolation`` each way: a prediction there is trusted, and
         what a step takes beyond it is the scale's (``offload/activations/_auto/_family.py``)."""
         pts = [p for p in self.points if not p.cold] or self.points
         if not pts:
             return False
-        lo = min(p.tokens for p in pts) / EXTRAPOLATION
-        hi = max(p.tokens for p in pts) * EXTRAPOLATION
+        lo = min(p.tokens for p in pts) / self.settings.extrapolation
+        hi = max(p.tokens for p in pts) * self.settings.extrapolation
         return lo <= tokens <= hi
 
     def _estimate(
@@ -226,21 +218,25 @@ def point_values(
     return out
 
 
-def steady(times: Sequence[Sequence[float]], sizes: Sequence[float]) -> list[list[float]]:
+def steady(
+    times: Sequence[Sequence[float]],
+    sizes: Sequence[float],
+    settings: AutoSettings = DEFAULT_AUTO,
+) -> list[list[float]]:
     """Per-call times (each of ``times`` one list, a value per call) with one-time
     costs removed.
 
-    Calls that save about the same bytes (``sizes``, within :data:`ALIKE`) are taken as
+    Calls that save about the same bytes (``sizes``, within ``alike``) are taken as
     identical layers, which cost the same in a steady step. What happens once in a step
     lands in one call: the kernel selection for a shape not seen before (cuBLAS
     heuristics, cuDNN attention graphs) in the first call, growth of the host pool in
     the call that needs it. Among three or more alike calls, a time above
-    :data:`ONE_TIME` times their median is replaced by that median; other calls are
+    ``one_time`` times their median is replaced by that median; other calls are
     kept as measured."""
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and sizes[i] <= ALIKE * max(sizes[groups[-1][0]], 1.0):
+        if groups and sizes[i] <= settings.alike * max(sizes[groups[-1][0]], 1.0):
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -251,7 +247,7 @@ def steady(times: Sequence[Sequence[float]], sizes: Sequence[float]) -> list[lis
         for members in alike:
             mid = sorted(values[i] for i in members)[len(members) // 2]
             for i in members:
-                if values[i] > ONE_TIME * mid:
+                if values[i] > settings.one_time * mid:
                     values[i] = mid
         out.append(values)
     return out

@@ -19,19 +19,22 @@ one) the policy moves through :class:`Phase`:
     while memory allows them (``offload/activations/_auto/_family.py``: paired ratios, their median,
     the measured noise); when the measured ratio exceeds ``1 + max_slowdown`` by more
     than the noise, one layer comes off and the round repeats; a choice measured within
-    the limit whose next layer is predicted within :data:`STEP_UP_REACH` times it takes
+    the limit whose next layer is predicted within ``step_up_reach`` times it takes
     that layer and verifies it (``offload/activations/_auto/_family.py``: the step up).
 ``SETTLED``
     Verified, or forced by memory, or unverifiable (memory never allows a step without
-    offloading). One step in :data:`WATCH_EVERY` is timed and the ratio watched; past the
+    offloading). One step in ``watch_every`` is timed and the ratio watched; past the
     limit, a fresh round of ``VERIFY`` starts.
 
 The first measurement of an offloader is its first step (the allocator and the kernels
 warm up in it): the next step measures again at its own plan. A size predicted, not
 measured, whose step proves the prediction wrong is measured again at the next step.
-State is bounded: :data:`MAX_FAMILIES` kinds of input, :data:`offload.activations._auto._fit.MAX_POINTS`
-sizes each, :data:`MAX_DECISIONS` sizes' decisions, :data:`MAX_PENDING` steps whose times
+State is bounded: ``max_families`` kinds of input, ``max_points``
+sizes each, ``max_decisions`` sizes' decisions, ``max_pending`` steps whose times
 are not read yet, bounded sample queues.
+
+The tuning named in lower case (``watch_every``, ...) is a field of
+:class:`~offload.activations._auto._settings.AutoSettings`.
 """
 
 from __future__ import annotations
@@ -45,15 +48,6 @@ import torch
 
 from offload.activations._auto import _predict as _auto
 from offload.activations._auto._family import (
-    MAX_DECISIONS,
-    MIN_PAIRS,
-    PREDICTION_TOLERANCE,
-    RESCALE,
-    RESIDUALS,
-    STEP_UP_REACH,
-    VERIFY_STEPS,
-    WARMUP_STEPS,
-    WATCH_STEPS,
     Family,
     Memory,
     Phase,
@@ -77,42 +71,18 @@ from offload.activations._auto._probe import (
     StepWatch,
     meter_for,
 )
+from offload.activations._auto._settings import DEFAULT_AUTO, AutoSettings
 from offload.activations._auto._short import check_short
 from offload.activations._auto._steps import describe, predicted, step_stats
 from offload.activations._schedule import plan_forward
 
 __all__ = [
-    "CALIBRATE_ROOM",
-    "MAX_DECISIONS",
-    "MAX_FAMILIES",
-    "MAX_PENDING",
-    "MEMORY_MARGIN",
-    "MIN_PAIRS",
-    "PREDICTION_TOLERANCE",
-    "RESCALE",
-    "RESIDUALS",
-    "STEP_UP_REACH",
-    "VERIFY_STEPS",
-    "WARMUP_STEPS",
-    "WATCH_EVERY",
-    "WATCH_STEPS",
     "AutoPolicy",
     "Family",
     "Phase",
     "Run",
 ]
 
-#: Once settled, one step in this many is timed.
-WATCH_EVERY = 4
-#: Share of the device memory limit kept free (fragmentation, what the model misses).
-MEMORY_MARGIN = 0.05
-#: Kinds of input remembered, least recently used dropped first.
-MAX_FAMILIES = 8
-#: Steps whose times have not been read yet; older ones are dropped unread.
-MAX_PENDING = 8
-#: The step after the first runs without offloading (to scale the first step's costs)
-#: only when its predicted peak is within this share of the memory limit.
-CALIBRATE_ROOM = 0.8
 
 #: said once per offloader, on its first measuring step on an accelerator
 _FIRST_STEP = (
@@ -135,9 +105,10 @@ def _predicted_bytes(m: ProbeResult, est: Estimate) -> None:
             m.link_bytes[i], m.freed_bytes[i], m.copies[i] = c.nbytes, int(est.freed[i]), c.copies
 
 
-def _roomy(mem: Memory | None) -> bool:
-    """Whether a step without offloading is predicted far inside the memory limit."""
-    return mem is None or (mem.floor == 0 and mem.none_peak <= CALIBRATE_ROOM * mem.limit)
+def _roomy(mem: Memory | None, room: float) -> bool:
+    """Whether a step without offloading is predicted far inside the memory limit
+    (within ``room`` of it: ``calibrate_room``)."""
+    return mem is None or (mem.floor == 0 and mem.none_peak <= room * mem.limit)
 
 
 def _scaled(est: Estimate, s: float) -> tuple[list[_auto.LayerCost], float]:
@@ -163,6 +134,7 @@ def _recompute_split(
     cold: bool = False,
     mem: Memory | None = None,
     device_limit: float | None = None,
+    settings: AutoSettings = DEFAULT_AUTO,
 ) -> tuple[int, tuple[int, ...]]:
     """The offloaded prefix and the calls run recomputed, their inputs offloaded
     (Note [recomputed calls]), where memory forces more offloading than the link
@@ -174,7 +146,7 @@ def _recompute_split(
     is said once (Note [memory short]; ``device_limit``: the device's own limit)."""
     costs = sized.est.costs
     L, k = len(costs), len(decision.offloaded)
-    room = off._runtime.pool.limit * (1.0 - MEMORY_MARGIN)
+    room = off._runtime.pool.limit * (1.0 - settings.memory_margin)
     host_k, total = 0, 0
     for c in costs:
         total += c.nbytes
@@ -190,14 +162,17 @@ def _recompute_split(
             return host_k, ()
     d2h, h2d = decision.d2h_gbps * 1e9, decision.h2d_gbps * 1e9
     inf = float("inf")
-    offload_all = predicted(sized, k, d2h, h2d, prefetch) if k <= host_k else inf
+    per_copy = settings.host_seconds_per_copy
+    offload_all = predicted(sized, k, d2h, h2d, prefetch, per_copy) if k <= host_k else inf
     kb = min(decision.time_offloaded, host_k, L - 1)
     if cold:
         # costs from the first step only, whose one-time work makes copies look
         # hidden: one layer offloaded until warm steps rescale them (as prepare's
         # re-probe does where memory has room)
         kb = min(kb, 1)
-    with_recompute = predicted(sized, kb, d2h, h2d, prefetch) + sum(c.forward_s for c in costs[kb:])
+    with_recompute = predicted(sized, kb, d2h, h2d, prefetch, per_copy) + sum(
+        c.forward_s for c in costs[kb:]
+    )
     if mem is not None and mem.peak_all > mem.limit:
         act = sized.est.act_bytes or 0.0
         check_short(
@@ -208,7 +183,7 @@ def _recompute_split(
             device_limit if device_limit is not None else float("inf"),
             mem.peak_all - act,
             f"device memory: the step's predicted peak, {mem.peak_all / 2**30:.2f} GiB, "
-            f"exceeds {mem.limit / 2**30:.2f} GiB (the limit less {MEMORY_MARGIN:.0%}) "
+            f"exceeds {mem.limit / 2**30:.2f} GiB (the limit less {settings.memory_margin:.0%}) "
             f"even with every layer call offloaded or recomputed: what remains is "
             "outside the layers (the head and the loss, the weights and their "
             "gradients). Compute the head and the loss in slices "
@@ -227,7 +202,11 @@ class AutoPolicy:
     CUDA device, nothing elsewhere); ``measure_on_cpu = True`` measures with the host
     clock on the CPU path, and tests set a meter of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: AutoSettings | None = None) -> None:
+        if settings is not None and not isinstance(settings, AutoSettings):
+            raise TypeError(f"settings={settings!r}: expected an AutoSettings or None")
+        #: the tuning, chosen once (:class:`AutoSettings`; ``None``: its defaults)
+        self.settings = DEFAULT_AUTO if settings is None else settings
         self.families: collections.OrderedDict[Any, Family] = collections.OrderedDict()
         self.pending: collections.deque[StepRecord] = collections.deque()
         self.meter: Meter | None = None
@@ -270,8 +249,8 @@ class AutoPolicy:
             self._collect(cfg.max_slowdown)
         fam = self.families.get(key)
         if fam is None:
-            fam = self.families[key] = Family()
-            while len(self.families) > MAX_FAMILIES:
+            fam = self.families[key] = Family(self.settings)
+            while len(self.families) > self.settings.max_families:
                 self.families.popitem(last=False)
         self.families.move_to_end(key)
         memory = None if step.capture else meter.memory(device)
@@ -289,7 +268,11 @@ class AutoPolicy:
         k = 0 if run is Run.NONE else chosen
         # measured again at the step's own plan (never a verifying step's)
         probe = not step.capture and fam.reprobe and not fam.probing and k == chosen
-        if probe and _roomy(mem) and all(p.cold for p in fam.model.points):
+        if (
+            probe
+            and _roomy(mem, self.settings.calibrate_room)
+            and all(p.cold for p in fam.model.points)
+        ):
             # the choice comes from the first step's costs, which its one-time work
             # inflates (copies look hidden): measured warm with one layer offloaded,
             # where memory leaves room (the cold step's memory reading is the least sure)
@@ -301,17 +284,17 @@ class AutoPolicy:
             cold = all(p.cold for p in fam.model.points)
             limit = None if memory is None else float(memory.limit)
             k, recomputed = _recompute_split(
-                off, sized, decision, cfg.prefetch_layers, cold, mem, limit
+                off, sized, decision, cfg.prefetch_layers, cold, mem, limit, self.settings
             )
             # a recomputed call measures its recompute, not its saves: not a probe
             probe = probe and not recomputed
         off._first_recomputed = 0 in recomputed
         step.plan = plan_forward(tuple(range(k)), calls, cfg.prefetch_layers, recomputed)
         fam.last_run = run
-        # settled: every WATCH_EVERY-th step is timed (the watch's own cost)
+        # settled: every watch_every-th step is timed (the watch's own cost)
         fam.tick += 1
         watched = not step.capture and (
-            probe or fam.phase is not Phase.SETTLED or fam.tick % WATCH_EVERY == 0
+            probe or fam.phase is not Phase.SETTLED or fam.tick % self.settings.watch_every == 0
         )
         warmup = False
         if probe:
@@ -333,7 +316,9 @@ class AutoPolicy:
             forced=decision.memory_reason is not None,
             exact=est.exact,
             generation=fam.generation,
-            predicted_s=predicted(sized, k, d2h, h2d, cfg.prefetch_layers)
+            predicted_s=predicted(
+                sized, k, d2h, h2d, cfg.prefetch_layers, self.settings.host_seconds_per_copy
+            )
             + sum(est.costs[i].forward_s for i in recomputed),
             next_ratio=decision.next_ratio,
             predicted_peak=None
@@ -436,7 +421,9 @@ class AutoPolicy:
             # a later one times the calls (the costs that change) and predicts the bytes,
             # so the calls not offloaded run without the saved-tensor hooks
             counts = fam.model is None
-            watch: StepWatch = Probe(meter, device, record, True, counts)
+            watch: StepWatch = Probe(
+                meter, device, record, True, counts, self.settings.host_seconds_per_copy
+            )
             step.probe, step.counts = True, counts
             step.device, step.backend = device, off._runtime.backend(device)
             fam.probing = True
@@ -447,7 +434,7 @@ class AutoPolicy:
         self._cold = False
         meter.begin(record)
         self.pending.append(record)
-        while len(self.pending) > MAX_PENDING:
+        while len(self.pending) > self.settings.max_pending:
             self._drop(self.pending.popleft())
 
     # ---- deciding ----------------------------------------------------------------------
@@ -466,7 +453,7 @@ class AutoPolicy:
         est = sized.est
         mem = None
         if memory is not None and est.act_bytes is not None:
-            limit = memory.limit * (1.0 - MEMORY_MARGIN) - fam.memory_excess
+            limit = memory.limit * (1.0 - self.settings.memory_margin) - fam.memory_excess
             peak_all = memory.allocated + est.act_bytes
             floor = _auto.memory_floor(est.freed, peak_all, limit)
             none_peak = peak_all + sized.kept[0]
@@ -482,7 +469,7 @@ class AutoPolicy:
             if mem is not None:
                 note = (
                     f"{mem.limit / 2**30:.2f} GiB of device memory (the limit less "
-                    f"{MEMORY_MARGIN:.0%}) holds the step's predicted peak only with "
+                    f"{self.settings.memory_margin:.0%}) holds the step's predicted peak only with "
                     f"{floor} layers offloaded"
                 )
             costs, gap = _scaled(est, fam.scale)
@@ -497,6 +484,7 @@ class AutoPolicy:
                 gap,
                 min_offloaded=floor,
                 memory_note=note,
+                per_copy=self.settings.host_seconds_per_copy,
             )
             sized.decision = decide(backoff=fam.backoff)
             if (
@@ -522,13 +510,13 @@ class AutoPolicy:
     def _next_run(self, fam: Family, decision: _auto.AutoDecision, mem: Memory | None) -> Run:
         """A step without offloading, or the choice (module docstring, ``VERIFY``)."""
         if not decision.offloaded:
-            if fam.phase is Phase.VERIFY and len(fam.none) >= MIN_PAIRS:
+            if fam.phase is Phase.VERIFY and len(fam.none) >= self.settings.min_pairs:
                 # no layer to verify; watched like a settled choice from now on
                 fam.settle("nothing to verify: no layer chosen at these sizes")
             return Run.NONE  # nothing offloaded: a step without offloading
         if fam.calibrate:
             # only far from the memory limit: the cold step's memory is the least sure
-            if decision.memory_reason is None and _roomy(mem):
+            if decision.memory_reason is None and _roomy(mem, self.settings.calibrate_room):
                 return Run.NONE  # scales the cold measurement (``_measured``)
             fam.calibrate = False
         if fam.phase is not Phase.VERIFY:
@@ -538,14 +526,14 @@ class AutoPolicy:
                 fam.settle("forced by memory: a step without offloading would not fit")
                 return Run.PLAN
             fam.blocked += 1
-            if fam.blocked >= 2 * VERIFY_STEPS and not fam.none:
+            if fam.blocked >= 2 * self.settings.verify_steps and not fam.none:
                 fam.settle(
                     "not verified: memory never allowed a step without offloading at these sizes"
                 )
             return Run.PLAN
         if fam.warmup > 0:
             return Run.PLAN  # not counted: the choice warms up (module docstring)
-        if fam.round_none < VERIFY_STEPS and fam.last_run is Run.PLAN:
+        if fam.round_none < self.settings.verify_steps and fam.last_run is Run.PLAN:
             return Run.NONE  # paired with the step of the choice after it
         return Run.PLAN
 
@@ -567,7 +555,7 @@ class AutoPolicy:
                     record.family.observe(record, seconds, watch.end_memory, max_slowdown)
                     continue
             record.age += 1
-            if record.age <= MAX_PENDING:
+            if record.age <= self.settings.max_pending:
                 keep.append(record)
             else:
                 self._drop(record)
@@ -613,7 +601,9 @@ class AutoPolicy:
                 if end is not None:  # what the allocator reserved beyond this peak
                     fam.learn_memory(start, end, peak)
         fwd, bwd, host_fwd, host_bwd = steady(
-            (m.forward_s, m.backward_s, m.host_forward_s, m.host_backward_s), m.link_bytes
+            (m.forward_s, m.backward_s, m.host_forward_s, m.host_backward_s),
+            m.link_bytes,
+            self.settings,
         )
         point = Point(
             record.tokens,
@@ -633,11 +623,11 @@ class AutoPolicy:
             cold=record.cold,
         )
         if fam.model is None or fam.model.num_groups != L:
-            fam.model = ShapeModel(L)
+            fam.model = ShapeModel(L, self.settings)
             fam.sizes.clear()
         fam.model.add(point)
         fam.rescale()  # the base predictions changed with the points
-        fam.warmup = WARMUP_STEPS  # the first steps after a measuring forward
+        fam.warmup = self.settings.warmup_steps  # the first steps after a measuring forward
         if fam.phase is Phase.MEASURE:
             fam.phase = Phase.VERIFY
         if all(p.cold for p in fam.model.points):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from offload._core._measure import link_bandwidth
+from offload.activations._auto._settings import DEFAULT_AUTO
 from offload.activations._schedule import make_plan
 
 __all__ = [
@@ -36,13 +37,6 @@ __all__ = [
     "memory_floor",
     "predict_step",
 ]
-
-
-#: Host seconds that offloading adds per copy (pack, release, reload, unpack, free in
-#: Python): fitted on an H200 host on tiny48 (48 small layers, launch-bound), where
-#: offloading every layer added about 90 ms for 423 copies a step. It only costs step
-#: time where the host, not the device, sets the pace (see :func:`predict_step`).
-HOST_SECONDS_PER_COPY = 2.0e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +52,19 @@ class LayerCost:
     host_backward_s: float = 0.0
     copies: int = 0
 
-    def forward(self, offloaded: bool) -> float:
+    def forward(
+        self, offloaded: bool, per_copy: float = DEFAULT_AUTO.host_seconds_per_copy
+    ) -> float:
         """The layer's forward time: device time, or the host's when the host (with
-        the offloader's extra work) is slower."""
-        extra = HOST_SECONDS_PER_COPY * self.copies / 2 if offloaded else 0.0
+        the offloader's extra work, ``per_copy`` host seconds per copy, half of them in
+        the forward) is slower."""
+        extra = per_copy * self.copies / 2 if offloaded else 0.0
         return max(self.forward_s, self.host_forward_s + extra)
 
-    def backward(self, offloaded: bool) -> float:
-        extra = HOST_SECONDS_PER_COPY * self.copies / 2 if offloaded else 0.0
+    def backward(
+        self, offloaded: bool, per_copy: float = DEFAULT_AUTO.host_seconds_per_copy
+    ) -> float:
+        extra = per_copy * self.copies / 2 if offloaded else 0.0
         return max(self.backward_s, self.host_backward_s + extra)
 
 
@@ -133,6 +132,7 @@ def predict_step(
     h2d_bps: float,
     prefetch_layers: int | None = None,
     gap_s: float = 0.0,
+    per_copy: float = DEFAULT_AUTO.host_seconds_per_copy,
 ) -> float:
     """Predicted seconds of one forward + backward with ``offloaded`` groups.
 
@@ -141,7 +141,8 @@ def predict_step(
     loss, and their backward): copies keep running through it.
 
     Each layer takes the longer of its device time and its host time (plus
-    :data:`HOST_SECONDS_PER_COPY` per copy when offloaded): a launch-bound layer is paced
+    ``per_copy`` seconds per copy when offloaded:
+    :attr:`~offload.activations._auto._settings.AutoSettings.host_seconds_per_copy`): a launch-bound layer is paced
     by the host. Forward: a group's D2H starts when its layer starts (copies begin at
     save time) and
     the D2H stream is free, and ends no earlier than the layer; the compute stream waits
@@ -158,7 +159,7 @@ def predict_step(
         for s in plan.release_at.get(i, ()):
             t = max(t, d2h_done[s])
         start = t
-        t += costs[i].forward(i in plan.offloaded)
+        t += costs[i].forward(i in plan.offloaded, per_copy)
         if i in plan.offloaded:
             d2h_free = max(d2h_free, start) + costs[i].nbytes / d2h_bps
             d2h_done[i] = max(d2h_free, t)
@@ -173,7 +174,7 @@ def predict_step(
             h2d_done[s] = h2d_free
         if q in plan.offloaded:
             t = max(t, h2d_done.get(q, t))
-        t += costs[q].backward(q in plan.offloaded)
+        t += costs[q].backward(q in plan.offloaded, per_copy)
     return t
 
 
@@ -198,13 +199,14 @@ def choose(
     min_offloaded: int = 0,
     backoff: int = 0,
     memory_note: str = "",
+    per_copy: float = DEFAULT_AUTO.host_seconds_per_copy,
 ) -> AutoDecision:
     """The longest prefix of layers (never the last) whose predicted step is within
     ``1 + max_slowdown`` of the step without offloading (``gap_s``: see
     :func:`predict_step`; it counts in the step, so in what the slowdown is relative to),
     less ``backoff`` layers (more where it is negative, never the last), and never fewer
     than ``min_offloaded`` (what memory needs: :func:`memory_floor`; ``memory_note``
-    says why, for the reason)."""
+    says why, for the reason); ``per_copy``: as in :func:`predict_step`."""
     L = len(costs)
     base = sum(c.forward(False) + c.backward(False) for c in costs) + gap_s
     limit = base * (1.0 + max_slowdown)
@@ -212,7 +214,9 @@ def choose(
     for k in range(1, L):
         if costs[k - 1].nbytes == 0:
             continue  # nothing to gain from this layer; it would not move anything
-        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
+        predicted = predict_step(
+            costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s, per_copy
+        )
         if predicted <= limit:
             best_k, best_ratio = k, predicted / base if base else 1.0
         else:
@@ -222,10 +226,14 @@ def choose(
     floor = min(max(0, min_offloaded), max(0, L - 1))
     k = max(floor, min(max(0, L - 1), max(0, time_k - backoff)))
     if k != best_k:
-        predicted = predict_step(costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s)
+        predicted = predict_step(
+            costs, range(k), d2h_bps, h2d_bps, prefetch_layers, gap_s, per_copy
+        )
         best_ratio = predicted / base if base else 1.0
         if k + 1 < L:
-            after = predict_step(costs, range(k + 1), d2h_bps, h2d_bps, prefetch_layers, gap_s)
+            after = predict_step(
+                costs, range(k + 1), d2h_bps, h2d_bps, prefetch_layers, gap_s, per_copy
+            )
             next_ratio = after / base if base else None
         else:
             next_ratio = None

@@ -30,6 +30,7 @@ import torch
 
 from offload._core import _measure, _packing
 from offload.activations._auto import _predict as _auto
+from offload.activations._auto._settings import DEFAULT_AUTO
 
 __all__ = ["DeviceMemory", "ProbeResult", "Meter", "Probe", "StepWatch", "meter_for"]
 
@@ -256,8 +257,11 @@ class Probe(StepWatch):
         record: Any,
         memory: bool = True,
         counts: bool = True,
+        per_copy: float = DEFAULT_AUTO.host_seconds_per_copy,
     ) -> None:
         super().__init__(meter, device, record, memory)
+        #: host seconds offloading adds per copy, modelled apart (LayerCost.forward)
+        self.per_copy = per_copy
         #: whether the calls not offloaded count the bytes they would send (else the
         #: policy predicts them: ``link_bytes`` and ``freed_bytes`` are 0 there)
         self.counts = counts
@@ -353,7 +357,7 @@ class Probe(StepWatch):
         L = len(self.marks)
         at_backward = self.at_backward or [len(t) for t in self.times]
         out = ProbeResult([], [], [], [], [], [], [], list(self.offloaded), 0.0, self.allocated_max)
-        per_copy = _auto.HOST_SECONDS_PER_COPY / 2
+        per_copy = self.per_copy / 2
         for i, m in enumerate(self.marks):
             fwd = _seconds(meter, m["f0"], m["f1"])
             host_fwd = m["f1"][1] - m["f0"][1]

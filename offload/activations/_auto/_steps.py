@@ -32,13 +32,16 @@ def describe(inputs: Any) -> tuple[Any, int, int, torch.device] | None:
     return key, n, q, first.device
 
 
-def predicted(sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None) -> float:
-    """The unscaled predicted seconds of a step offloading the first ``k`` calls."""
+def predicted(
+    sized: Sized, k: int, d2h: float, h2d: float, prefetch: int | None, per_copy: float
+) -> float:
+    """The unscaled predicted seconds of a step offloading the first ``k`` calls
+    (``per_copy``: :func:`~offload.activations._auto._predict.predict_step`'s)."""
     got = sized.predicted.get(k)
     if got is None:
         est = sized.est
         got = sized.predicted[k] = _auto.predict_step(
-            est.costs, range(k), d2h, h2d, prefetch, est.gap_s
+            est.costs, range(k), d2h, h2d, prefetch, est.gap_s, per_copy
         )
     return got
 

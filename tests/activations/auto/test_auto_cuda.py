@@ -23,8 +23,7 @@ import torch
 
 import offload
 from benchmarks._common import hf_step, llama_1b_config
-from offload.activations._auto import _policy as _auto_policy
-from tests.auto_fake import state_bounds
+from tests.auto_fake import AUTO, state_bounds
 from tests.models import ON_CUDA_DETERMINISTIC
 
 pytestmark = ON_CUDA_DETERMINISTIC
@@ -165,7 +164,7 @@ def test_new_length_every_step_keeps_offloading_within_three_percent() -> None:
     print(*rows, sep="\n")
     later = rows[1:]
     verifying = [r for r in later if r[2] == "none" and r[8]]  # a choice, not run
-    assert len(verifying) <= _auto_policy.VERIFY_STEPS + 1, rows  # and one calibrating
+    assert len(verifying) <= AUTO.verify_steps + 1, rows  # and one calibrating
     # offloads from step 2 wherever the link allows it (one layer within the limit)
     assert all(r[4] > 0 for r in later if r[2] != "none" and r[7] <= 1.03), rows
     assert statistics.median(r[5] for r in later) <= 1.03, rows

@@ -18,7 +18,7 @@ import offload
 from offload.activations._auto import _policy as _auto_policy
 from offload.activations._auto._predict import LayerCost, choose, predict_step
 from tests import models
-from tests.auto_fake import FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
+from tests.auto_fake import AUTO, FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
 from tests.models import assert_same, step, twin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,7 +74,7 @@ def _memory_first(link_seconds: float) -> tuple[list[dict], FakeMemory, int, int
     link = freed[0] / link_seconds
     base, act = 50 << 20, 3 * max(freed)
     peak_needed = base + act + sum(freed[need : L - 1])
-    limit = int(peak_needed / (1 - _auto_policy.MEMORY_MARGIN)) + 1
+    limit = int(peak_needed / (1 - AUTO.memory_margin)) + 1
     memory = FakeMemory(limit, base, lambda n: act, lambda n: freed)
     costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, link, memory=memory)
@@ -135,7 +135,7 @@ def test_no_step_without_offloading_when_memory_cannot_hold_one() -> None:
     freed = _released(layers, 16)
     base, act = 10 << 20, max(freed)
     memory = FakeMemory(0, base, lambda n: act, lambda n: freed)
-    memory.limit = int((base + act + sum(freed[1 : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN))
+    memory.limit = int((base + act + sum(freed[1 : L - 1])) / (1 - AUTO.memory_margin))
     costs = [LayerCost(2e-3, 4e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, freed[0] / 1e-3, memory=memory)
     off = _auto_offloader(layers, meter)
@@ -154,7 +154,7 @@ def test_memory_the_allocator_reserves_beyond_the_peak_counts_against_the_limit(
     base, act = f, 3 * f
     slack = freed[2] + freed[3]
     # allocated memory alone would need layers 0-1 offloaded; with the slack, 0-3
-    limit = int((base + act + sum(freed[2 : L - 1])) / (1 - _auto_policy.MEMORY_MARGIN)) + 1
+    limit = int((base + act + sum(freed[2 : L - 1])) / (1 - AUTO.memory_margin)) + 1
     memory = FakeMemory(limit, base, lambda n: act, lambda n: freed, slack=slack)
     costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, freed[0] / 4e-3, memory=memory)
@@ -178,14 +178,14 @@ def test_the_step_after_the_first_runs_without_offloading_only_far_from_the_limi
     freed = _released(layers, 16)
     base, act = 1 << 20, max(freed)
     none_peak = base + act + sum(freed[: L - 1])
-    limit = int(room * none_peak / (1 - _auto_policy.MEMORY_MARGIN))
+    limit = int(room * none_peak / (1 - AUTO.memory_margin))
     memory = FakeMemory(limit, base, lambda n: act, lambda n: freed)
     costs = [LayerCost(2e-3, 4e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, freed[0] / 1e-3, memory=memory, cold_factor=3.0)
     off = _auto_offloader(layers, meter)
     runs = [_run(layers, ref, off, 16) for _ in range(3)]
     assert runs[0]["step"] == "probe"
-    if room < 1 / _auto_policy.CALIBRATE_ROOM:
+    if room < 1 / AUTO.calibrate_room:
         assert runs[1]["step"] != "none" and runs[1]["sent"] > 0, runs[1]
     else:
         assert runs[1]["step"] == "none" and runs[1]["sent"] == 0, runs[1]
@@ -434,7 +434,7 @@ def test_back_off_one_layer_at_a_time_after_a_measured_slowdown_and_after_drift(
     # conditions change: one offloaded layer now costs 4 %: the watch sees the drift,
     # a fresh verification measures it, and the layer comes off
     penalty["per_layer"] = 0.04
-    runs = [_run(layers, ref, off, 16) for _ in range(_auto_policy.WATCH_EVERY * 6 + 10)]
+    runs = [_run(layers, ref, off, 16) for _ in range(AUTO.watch_every * 6 + 10)]
     assert any("drifted" in r["verification"] for r in runs)
     assert runs[-1]["chosen"] == [] and runs[-1]["sent"] == 0
 
@@ -478,7 +478,7 @@ def test_a_new_length_every_step_offloads_within_the_limit_from_the_second_step(
         assert auto["ran"] == auto["offloaded"] and (auto["sent"] > 0) == (k > 0), (i, auto)
     later = rows[1:]
     assert all(r[5] <= 1.03 + 1e-9 for r in later), rows  # within the limit from step 2
-    assert sum(r[2] == "none" for r in later) <= _auto_policy.VERIFY_STEPS + 1, rows
+    assert sum(r[2] == "none" for r in later) <= AUTO.verify_steps + 1, rows
     assert sum(r[2] == "probe" for r in later) <= 6, rows
     # and it offloads: on the steps of the choice, most of the layers that hide
     plan = [r for r in later if r[2] == "plan"]
@@ -531,8 +531,8 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
                 offloading += 1
                 assert auto["sent"] > 0 and auto["ran"] == auto["chosen"], (i, auto)
     assert offloading > 900
-    assert verifying <= 3 * _auto_policy.VERIFY_STEPS
-    assert len(meter.records) >= 1000 // _auto_policy.WATCH_EVERY  # timed steps
+    assert verifying <= 3 * AUTO.verify_steps
+    assert len(meter.records) >= 1000 // AUTO.watch_every  # timed steps
 
 
 # ---- verification at steady state, robust to noise ----------------------------------------
@@ -591,7 +591,7 @@ def test_warm_up_steps_after_measuring_and_after_a_change_cause_no_back_off() ->
     chosen = [len(r["chosen"]) for r in runs[1:]]
     assert all(c == L - 1 for c in chosen), chosen  # never backed off
     assert runs[-1]["phase"] == "settled" and runs[-1]["measured_ratio"] <= 1.03, runs[-1]
-    assert sum(r["step"] == "none" for r in runs) >= _auto_policy.MIN_PAIRS  # verified
+    assert sum(r["step"] == "none" for r in runs) >= AUTO.min_pairs  # verified
     assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
 
 
@@ -605,7 +605,7 @@ def test_noisy_steps_without_offloading_keep_free_layers() -> None:
     assert runs[-1]["phase"] == "settled", runs[-1]
     assert "verified" in runs[-1]["verification"]
     nones = sum(r["step"] == "none" for r in runs)
-    assert _auto_policy.MIN_PAIRS <= nones <= _auto_policy.VERIFY_STEPS  # bounded
+    assert AUTO.min_pairs <= nones <= AUTO.verify_steps  # bounded
 
 
 def test_a_real_slowdown_beyond_the_noise_still_backs_off() -> None:
@@ -617,8 +617,8 @@ def test_a_real_slowdown_beyond_the_noise_still_backs_off() -> None:
     assert chosen[0] == L - 1 and chosen[-1] == L - 2, chosen
     assert runs[-1]["phase"] == "settled", runs[-1]
     assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
-    # bounded: the two rounds ran at most VERIFY_STEPS steps without offloading each
-    assert sum(r["step"] == "none" for r in runs) <= 2 * _auto_policy.VERIFY_STEPS
+    # bounded: the two rounds ran at most verify_steps steps without offloading each
+    assert sum(r["step"] == "none" for r in runs) <= 2 * AUTO.verify_steps
 
 
 def test_a_round_ends_on_a_host_whose_step_times_jitter() -> None:
@@ -638,7 +638,7 @@ def test_a_round_ends_on_a_host_whose_step_times_jitter() -> None:
         settled = next((i for i, r in enumerate(runs) if r["phase"] == "settled"), None)
         assert settled is not None and settled <= 30, (seed, chosen)
         nones = sum(r["step"] == "none" for r in runs[:settled])
-        assert nones <= L * _auto_policy.VERIFY_STEPS, (seed, nones, chosen)
+        assert nones <= L * AUTO.verify_steps, (seed, nones, chosen)
         assert all(r["sent"] > 0 for r in runs if r["step"] != "none")
 
 
@@ -655,7 +655,7 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     two: float, noise: tuple[float, ...], kept: bool
 ) -> None:
     # a slow link: the model predicts one layer hidden and two at about 1.07x (within
-    # STEP_UP_REACH times the limit), while a real step with two layers takes ``two``
+    # step_up_reach times the limit), while a real step with two layers takes ``two``
     # times the step without offloading (the prediction on the safe side by one layer,
     # as on the GPU), three 1.10x. Within the limit: the second layer is kept; above
     # it: it comes off again and no step up is tried again. With steps without
@@ -677,9 +677,9 @@ def test_a_step_up_takes_one_more_layer_than_predicted_only_where_measured_withi
     else:
         assert moves == [(1, 2), (2, 1)], chosen  # tried once, taken back
         assert runs[-1]["measured_ratio"] <= 1.03
-    # bounded: each of the (at most three) rounds ran at most VERIFY_STEPS steps
+    # bounded: each of the (at most three) rounds ran at most verify_steps steps
     # without offloading; every other step offloaded its choice
-    assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * _auto_policy.VERIFY_STEPS
+    assert sum(r["step"] == "none" for r in runs) <= len(moves) + 1 + 2 * AUTO.verify_steps
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
 
 
@@ -698,7 +698,7 @@ def test_step_ups_repeat_while_each_measures_within_and_stop_at_the_first_that_d
     real = [predicted[max(k - 1, 0)] for k in range(L)]
     best = max(k for k in range(L) if real[k] <= 1.03)
     choice = max(k for k in range(L) if predicted[k] <= 1.03)
-    reach = 1 + _auto_policy.STEP_UP_REACH * 0.03
+    reach = 1 + AUTO.step_up_reach * 0.03
     assert best == choice + 1 and predicted[choice + 2] <= reach < predicted[choice + 3]
     runs = _settle(_verifying_meter(L, real.__getitem__, link=link), L, 60)
     chosen = [len(r["chosen"]) for r in runs[1:]]
@@ -707,8 +707,8 @@ def test_step_ups_repeat_while_each_measures_within_and_stop_at_the_first_that_d
     assert moves == [(choice, best), (best, best + 1), (best + 1, best)], chosen
     assert runs[-1]["phase"] == "settled" and runs[-1]["measured_ratio"] <= 1.03, runs[-1]
     assert "1 more than predicted" in runs[-1]["reason"]
-    # bounded: each of the three rounds ran at most VERIFY_STEPS steps without offloading
-    assert sum(r["step"] == "none" for r in runs) <= 3 * _auto_policy.VERIFY_STEPS
+    # bounded: each of the three rounds ran at most verify_steps steps without offloading
+    assert sum(r["step"] == "none" for r in runs) <= 3 * AUTO.verify_steps
     assert all(r["sent"] > 0 and r["ran"] == r["offloaded"] for r in runs if r["step"] != "none")
 
 
@@ -732,7 +732,7 @@ def test_a_step_up_goes_when_the_scale_moves_the_choice_it_stepped_from() -> Non
     after = runs[moved]
     assert after["time_offloaded"] == 2 and after["backoff"] == 0, after
     assert len(after["chosen"]) == 2
-    reach = 1 + _auto_policy.STEP_UP_REACH * off.config.max_slowdown
+    reach = 1 + AUTO.step_up_reach * off.config.max_slowdown
     for r in runs[1:]:
         if r["backoff"] < 0:  # every step up ran a choice predicted within reach
             assert r["predicted_ratio"] <= reach, r
@@ -777,9 +777,9 @@ def test_memory_short_by_measured_bytes_raises_before_the_step() -> None:
 
 
 def test_memory_short_only_past_the_margin_is_said_once() -> None:
-    # past the limit less MEMORY_MARGIN but within the device's own limit: the step may
+    # past the limit less AutoSettings.memory_margin but within the device's own limit: the step may
     # fit (the prediction is not sure): a warning, no error
-    margin = _auto_policy.MEMORY_MARGIN
+    margin = AUTO.memory_margin
     layers, ref, off, memory, base, act = _short(lambda base, act: (base + act) / (1 - margin / 2))
     with pytest.warns(UserWarning, match="outside the layers") as caught:
         for _ in range(4):
