@@ -49,8 +49,10 @@ def test_plan_below_the_head_takes_the_head_lever_on_cuda(dtype: torch.dtype) ->
     )  # "auto" would slice 4096 rows of a 32,000 vocab: the whole sequence here
     head = base.costs.head_bytes
     assert head is not None and head > 2 * sum(base.costs.saved_bytes) / len(layers)
-    # below the head's own bytes: only the slices reach it
-    budget = int(0.5 * head)
+    # below the head's own bytes (only the slices reach it) and above one layer's
+    # recompute working set, which no lever cuts (in fp32 SDPA's math backend holds
+    # about a GiB of attention scores at 4096 tokens)
+    budget = int(0.9 * head)
     chosen = base.replan(budget, step_fn=step, model=model)
     assert "sliced_head" in chosen.model_levers, chosen.summary()
     assert chosen.predicted_bytes <= budget
