@@ -55,8 +55,26 @@ def _load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _label(method: str) -> str:
-    return LABELS.get(method, method)
+def _label(
+    method: str, row: dict[str, Any] | None = None, doc: dict[str, Any] | None = None
+) -> str:
+    """The method's name; ``(a)`` after it where ``row`` was measured in another call
+    than the results file's main one (:func:`_apart`)."""
+    apart = row is not None and doc is not None and _apart(row, doc)
+    return LABELS.get(method, method) + (" (a)" if apart else "")
+
+
+def _apart(row: dict[str, Any], doc: dict[str, Any]) -> bool:
+    """Whether ``row`` came from another device call than the file's command."""
+    main = " ".join(doc.get("command", []))
+    return bool(row.get("measured_with")) and row["measured_with"] != main
+
+
+def _apart_note(doc: dict[str, Any]) -> list[str]:
+    if not any(_apart(r, doc) for r in doc["rows"]):
+        return []
+    return ["", "(a) measured in a separate call, on another machine of the same kind: "
+            "its step times compare exactly with the other (a) rows only."]  # fmt: skip
 
 
 def _cell(row: dict[str, Any] | None, key: str, spec: str) -> str:
@@ -105,27 +123,40 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in doc["rows"] if r.get("status") != "skipped"]
 
 
-def headline(doc: dict[str, Any], seqs: tuple[int, ...] = (16384, 32768)) -> str:
-    """Per model: tokens/s and activation peak at ``seqs``, and the longest sequence."""
+def _longest_cell(entry: dict[str, Any]) -> str:
+    """The longest length that trained; ``+`` where no longer one was tried."""
+    best = entry["best"]
+    if best is None:
+        return "-"
+    return f"{best['seq']:,}" + ("+" if entry["next"] is None else "")
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """Per model: tokens/s and activation peak at each length measured, and the longest
+    length that trained."""
     rows = _rows(doc)
     longest = _longest(rows)
     out = [f"Measured on one {_card(doc)}: tokens/s (higher is better) and activation "
-           "peak in GiB (lower is better) per length, and the longest length that trained "
-           "3 steps; batch 1, one process per configuration."]  # fmt: skip
+           "peak in GiB (lower is better) per length; *longest*: the longest length that "
+           "trained 3 steps, `+` where no longer one was tried. Batch 1, one process per "
+           "configuration."]  # fmt: skip
     for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        seqs = sorted({r["seq"] for r in mine})
         head = ["method"] + [f"{s // 1024}k tok/s | {s // 1024}k GiB" for s in seqs] + ["longest"]
         out += ["", f"**{MODEL_LABELS.get(model, model)}**", "",
                 "| " + " | ".join(head) + " |", "|---" * (2 + 2 * len(seqs)) + "|"]  # fmt: skip
-        for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
-            at = {r["seq"]: r for r in rows if r["model"] == model and r["method"] == method}
+        for method in dict.fromkeys(r["method"] for r in mine):
+            at = {r["seq"]: r for r in mine if r["method"] == method}
             cells = [_label(method)]
             for s in seqs:
-                cells += [_cell(at.get(s), "tokens_per_s", ".0f"),
-                          _cell(at.get(s), "activation_peak_gib", ".1f")]  # fmt: skip
-            best = longest[(model, method)]["best"]
-            cells.append(f"{best['seq']:,}" if best else "-")
+                row = at.get(s)
+                mark = " (a)" if row is not None and _apart(row, doc) else ""
+                cells += [_cell(row, "tokens_per_s", ".0f") + mark,
+                          _cell(row, "activation_peak_gib", ".1f")]  # fmt: skip
+            cells.append(_longest_cell(longest[(model, method)]))
             out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return "\n".join(out + _apart_note(doc))
 
 
 def full(doc: dict[str, Any]) -> str:
@@ -144,10 +175,11 @@ def full(doc: dict[str, Any]) -> str:
         ok = r.get("status") == "ok"
         ratio = r["tokens_per_s"] / fastest[(r["model"], r["seq"])] if ok else None
         out.append(
-            f"| {r['model']} | {r['seq']} | {_label(r['method'])} | {_cell(r, 'step_ms', '.0f')} "
+            f"| {r['model']} | {r['seq']} | {_label(r['method'], r, doc)} | {_cell(r, 'step_ms', '.0f')} "
             f"| {_cell(r, 'tokens_per_s', '.0f')} | {'-' if ratio is None else format(ratio, '.2f')} "
             f"| {_cell(r, 'activation_peak_gib', '.2f')} | {_cell(r, 'host_peak_gib', '.1f')} |"
         )
+    out += _apart_note(doc)
     skipped = [r for r in doc["rows"] if r.get("status") == "skipped"]
     if skipped:
         reasons = sorted({f"{r['method']} ({r.get('reason', '')})" for r in skipped})
@@ -156,7 +188,7 @@ def full(doc: dict[str, Any]) -> str:
             "|---|---|---|---|---|"]  # fmt: skip
     for (model, method), entry in _longest(rows).items():
         best = entry["best"]
-        seq = f"{best['seq']:,}" if best else "-"
+        seq = _longest_cell(entry)
         out.append(
             f"| {model} | {_label(method)} | {seq} "
             f"| {_cell(best, 'tokens_per_s', '.0f')} | {_stopped(entry)} |"
@@ -173,9 +205,7 @@ def render() -> dict[str, str]:
 
 
 def _marked(name: str) -> re.Pattern[str]:
-    return re.compile(
-        rf"(<!-- long_context:{name} -->\n)(.*?)(\n<!-- /long_context:{name} -->)", re.S
-    )
+    return re.compile(rf"<!-- long_context:{name} -->\n(.*?)\n?<!-- /long_context:{name} -->", re.S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         match = _marked(name).search(source)
         if match is None:
             raise SystemExit(f"{page}: no <!-- long_context:{name} --> markers")
-        if match.group(2) != text:
+        if match.group(1) != text:
             stale.append(str(page.relative_to(ROOT)))
             if not args.check:
-                page.write_text(source[: match.start(2)] + text + source[match.end(2) :])
+                block = f"<!-- long_context:{name} -->\n{text}\n<!-- /long_context:{name} -->"
+                page.write_text(source[: match.start()] + block + source[match.end() :])
     if args.check and stale:
         print("out of date (run python3 benchmarks/longctx/render.py):", ", ".join(stale))
         return 1

@@ -48,14 +48,35 @@ def test_tables_name_the_card_and_every_outcome(render) -> None:
     }  # fmt: skip
     head = render.headline(doc)
     assert "one NVIDIA H100 80GB HBM3" in head
-    assert "| HF checkpointing | 16384 | 3.0 | OOM | OOM | 16,384 |" in head
+    assert "| HF checkpointing | 16384 | 3.0 | OOM | OOM | - | - | - | - | 16,384 |" in head
     ours = (
-        "| **`offload_checkpointing` + `sliced_head_loss`** | 16384 | 3.0 | 32768 | 3.0 | 65,536 |"
+        "| **`offload_checkpointing` + `sliced_head_loss`** | 16384 | 3.0 | 32768 | 3.0 "
+        "| 65536 | 3.0 | host OOM | host OOM | 65,536 |"
     )
-    assert ours in head
+    assert ours in head  # stopped by the host at 131,072 (no "+": a longer one failed)
     assert "TRL" not in head  # skipped everywhere: not a row
+    assert "(a)" not in head  # every row from the file's own command
     body = render.full(doc)
     assert "Not run: trl-offload (trl is not installed)." in body
     assert "| 65,536 | 65536 | host memory (killed) at 131,072 |" in body
     assert "| 16,384 | 16384 | device OOM at 32,768 |" in body
     assert "| llama-8b-lora | 32768 | HF checkpointing | OOM |" in body
+
+
+def test_rows_of_another_call_are_marked(render) -> None:
+    ok = {"status": "ok", "step_ms": 1000.0, "activation_peak_gib": 3.0, "host_peak_gib": 9.0}
+    doc = {
+        "command": ["benchmarks/gpu_suite.sh", "longctx"],
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "rows": [
+            {"model": "llama-1b", "method": "none", "seq": 16384, "tokens_per_s": 16384.0,
+             "measured_with": "benchmarks/gpu_suite.sh longctx", **ok},
+            {"model": "llama-1b", "method": "unsloth-zoo", "seq": 16384, "tokens_per_s": 8192.0,
+             "measured_with": "bench_long_context.py --models llama-1b", **ok},
+        ],
+    }  # fmt: skip
+    head = render.headline(doc)
+    assert "| no offloading | 16384 | 3.0 | 16,384+ |" in head
+    assert "| 8192 (a) | 3.0 | 16,384+ |" in head
+    assert "(a) measured in a separate call" in head
+    assert "| unsloth_zoo offloaded checkpointing + fused loss (a) |" in render.full(doc)
