@@ -9,7 +9,9 @@ of its forward and of its recompute (the MLP's ``tokens x ffn`` intermediates). 
 holds one set of them (:attr:`offload.Plan.model_levers`); :func:`offload.plan`
 measures the step with each set that is a candidate and plans with each (the cost
 model of that set: ``offload/_planner/fit.py``), and takes a set only where the budget
-needs it or where it is predicted faster (``settings.model_lever_gain``).
+needs it (no plan without model levers meets it): the plan stays bitwise wherever it
+can. Of the sets that do, fewer levers unless more are predicted
+``settings.model_lever_gain`` faster.
 
 Equality: both change the float summation order (Note [equality of the levers] in
 ``offload/_planner/verify.py``).
@@ -179,10 +181,11 @@ def ranked_variants(
     settings: PlannerSettings = DEFAULT_PLANNER,
 ) -> list[PlanCosts]:
     """The cost models of the sets of model levers in ``variants`` whose plans can meet
-    ``limit``, in the order to try them: those whose fastest predicted plan is within
-    ``settings.model_lever_gain`` of the fastest of all, fewest levers first (a lever the
-    budget does not need, and that buys no time, stays off), then the others, fastest
-    first.
+    ``limit``, in the order to try them. Where the set of none can, it alone: a model
+    lever changes the float summation order, so it goes in only where the budget needs
+    it (Note [equality of the levers]). Otherwise those whose fastest predicted plan is
+    within ``settings.model_lever_gain`` of the fastest of all, fewest levers first,
+    then the others, fastest first.
 
     Raises:
         ValueError: no set has a plan that fits; the message is the search's for the
@@ -200,6 +203,9 @@ def ranked_variants(
     if not feasible:
         key, first = max(errors, key=lambda e: len(e[0]))
         raise ValueError(f"{first} (model levers: {describe(key) or 'none'})") from None
+    bitwise = [c for _, key, c in feasible if not key]
+    if bitwise:
+        return bitwise
     fastest = min(t for t, _, _ in feasible)
     near = [f for f in feasible if f[0] <= fastest * (1.0 + settings.model_lever_gain)]
     near.sort(key=lambda f: (len(f[1]), f[0]))

@@ -615,9 +615,9 @@ def plan(
             (:func:`offload.sliced_head_loss`; on a Hugging Face ``*ForCausalLM``
             holding ``layers``, a step passing ``labels``) and ``"tiled_mlp"``
             (:func:`offload.tile_mlp`; every layer has an ``mlp``). Each candidate set is
-            measured and taken only where the budget needs it or it is predicted
-            ``settings.model_lever_gain`` faster; gradients are then equal up to float
-            summation order, not bitwise (Note [equality of the levers]).
+            measured and taken only where the budget needs it (no plan without it
+            fits): gradients are then equal up to float summation order, not bitwise
+            (Note [equality of the levers]).
             ``measured["model_levers"]`` says why one was not a candidate. Default:
             :data:`MODEL_LEVERS`; ``()``: none.
         slice_tokens, tile_tokens: of those levers. Default ``"auto"``.

@@ -78,9 +78,9 @@ class PlannerSettings:
 
     Levers outside the layers (``offload/_planner/model_levers.py``):
 
-    - ``model_lever_gain``: fraction; a set of model levers is taken over a set of
-      fewer only where the budget needs it or where its plan is predicted (then
-      measured) at least this share faster.
+    - ``model_lever_gain``: fraction; where the budget needs model levers (no plan
+      without them meets it), a set of more is taken over a set of fewer only where
+      its plan is predicted (then measured) at least this share faster.
     """
 
     cost_steps: int = 8
