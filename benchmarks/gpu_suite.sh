@@ -10,6 +10,9 @@
 #   longctx    long_context.json: bench_long_context.py, Llama-3-8B shape with LoRA at 16k,
 #              32k and 64k tokens and Llama ~1.1B at 16k, ours against HF checkpointing,
 #              unsloth_zoo and DeepSpeed's tiling (peers from .whl/, see the script)
+#   longctxpeers  more rows of the same file: DeepSpeed, TRL, transformers' offload=True,
+#              ours without tiles at 32k, Llama ~1.1B at 32k
+#   longctxlong   the 8B shape at 128k tokens: ours, unsloth_zoo, DeepSpeed's tiling
 #   ref8l      activations_ref8l.json: ref-8L, k = 1, 2, 4, 7, auto, fp8 k = 4, 7, save_on_cpu,
 #              checkpointing
 #   others     others_ref8l.json: torch.compile's memory budget, torchtune, TransformerEngine
@@ -74,6 +77,19 @@ for part in $parts; do
                set -- $run
                $L --models $1 --seqs $2 --methods $3 2>&1 | grep -v "^|"
              done ;;
+    longctxpeers) L="timeout 280 python3 $B/longctx/bench_long_context.py --append --timeout 120 \
+             --warmup 1 --steps 2 --out $OUT/long_context.json"
+             for run in "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
+                 "llama-8b-lora 32768 ours-ckpt-head,deepspeed-ckpt-offload-tiled,trl-offload-ckpt" \
+                 "llama-1b 16384 hf-ckpt,ours-default,ours-ckpt,trl-offload,trl-offload-ckpt,deepspeed-ckpt-offload" \
+                 "llama-1b 32768 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan"; do
+               set -- $run
+               $L --models $1 --seqs $2 --methods $3 2>&1 | grep -v "^|"
+             done ;;
+    longctxlong) L="timeout 560 python3 $B/longctx/bench_long_context.py --append --timeout 280 \
+             --warmup 0 --steps 2 --out $OUT/long_context.json"
+             $L --models llama-8b-lora --seqs 131072 \
+               --methods ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|" ;;
     ref8l) timeout 300 python3 $B/activations/bench_activations.py --compress-ks 4,7 \
              --out "$OUT/activations_ref8l.json" 2>&1 | tail -16 ;;
     others) timeout 500 python3 $B/activations/bench_others.py \
