@@ -20,7 +20,7 @@
 #   plannerllama  planner_llama.json, planner_ref8l.json, planner_llama_16k.json: offload.plan
 #              on HF Llama ~1.1B (seq 4096, 16384) and ref-8L against no lever and the best
 #              single lever (REPEATS runs of each case, default 1)
-#   headline   ref8l, planner and others: the README's headline table
+#   headline   ref8l, planner and others: docs/performance.md's ref-8L comparison (the README's headline is longctx)
 #   tiny48     activations_tiny48.json (interleaved rounds)
 #   dbuf       activations_double_buffering.json (k = 7 with and without double buffering)
 #   auto       auto.json ("auto" against every k, ref-8L and an HF Llama ~1B)
