@@ -35,6 +35,7 @@ __all__ = [
     "MODEL_LEVERS",
     "TILED_LAYER_LEVERS",
     "ModelLeverSet",
+    "check_head_model",
     "check_model_levers",
     "describe",
     "head_model",
@@ -72,6 +73,16 @@ def check_model_levers(model_levers: Sequence[str], name: str) -> tuple[str, ...
             f"{name}: unknown model lever(s) {bad}; accepted: {', '.join(MODEL_LEVERS)}"
         )
     return tuple(x for x in MODEL_LEVERS if x in model_levers)
+
+
+def check_head_model(model_levers: Sequence[str], head_model: nn.Module | None) -> None:
+    """``ValueError`` where ``model_levers`` has ``"sliced_head"`` and ``head_model`` is
+    ``None`` (the head lever needs the Hugging Face causal LM)."""
+    if "sliced_head" in model_levers and head_model is None:
+        raise ValueError(
+            "model_levers has 'sliced_head' but head_model is None: pass the Hugging "
+            "Face causal LM whose head and loss are computed in slices"
+        )
 
 
 def variants(candidates: Sequence[str]) -> list[tuple[str, ...]]:
@@ -134,11 +145,7 @@ class ModelLeverSet:
         tile_tokens: int | str = "auto",
     ) -> None:
         self.model_levers = check_model_levers(model_levers, "model_levers")
-        if "sliced_head" in self.model_levers and causal is None:
-            raise ValueError(
-                "model_levers has 'sliced_head' but no causal LM was given (head_model=): "
-                "the head lever needs the Hugging Face *ForCausalLM"
-            )
+        check_head_model(self.model_levers, causal)
         self.layers = list(layers)
         self.causal = causal
         self.slice_tokens = slice_tokens

@@ -66,7 +66,9 @@ from offload._planner.levers import (
 )
 from offload._planner.model_levers import (
     MODEL_LEVERS,
+    TILED_LAYER_LEVERS,
     ModelLeverSet,
+    check_head_model,
     check_model_levers,
     layer_levers_with,
     lever_candidates,
@@ -156,11 +158,7 @@ class Plan:
     ) -> None:
         self.recompute = check_recompute(recompute)
         self.model_levers = check_model_levers(model_levers, "model_levers")
-        if "sliced_head" in self.model_levers and head_model is None:
-            raise ValueError(
-                "model_levers has 'sliced_head' but head_model is None: pass the Hugging "
-                "Face causal LM whose head and loss are computed in slices"
-            )
+        check_head_model(self.model_levers, head_model)
         self.head_model = head_model
         self.slice_tokens = slice_tokens
         self.tile_tokens = tile_tokens
@@ -179,9 +177,7 @@ class Plan:
                 f"('checkpoint_offload', 'selective_offload_inputs')"
             )
         if "tiled_mlp" in self.model_levers:
-            selective = [
-                x for x in self.levers if x not in layer_levers_with(("tiled_mlp",), self.levers)
-            ]
+            selective = [x for x in self.levers if x not in TILED_LAYER_LEVERS]
             if selective:
                 raise ValueError(
                     f"levers {sorted(set(selective))} with model_levers 'tiled_mlp': the "
@@ -222,6 +218,11 @@ class Plan:
         #: the tuning :func:`plan` measured with, which :meth:`replan` searches and
         #: verifies with unless given other settings
         self._settings: PlannerSettings = DEFAULT_PLANNER
+
+    @property
+    def _unlevered(self) -> PlanCosts | None:
+        """The cost model without model levers (``costs`` where none was measured)."""
+        return (self._variants or {}).get((), self.costs)
 
     @classmethod
     def from_levers(
@@ -274,7 +275,8 @@ class Plan:
         if self.costs is None:
             raise RuntimeError("this plan was made by hand: it has no costs to plan with")
         sets = self._variants or {self.costs.model_levers: self.costs}
-        base = sets.get((), self.costs)
+        base = self._unlevered
+        assert base is not None  # costs is not None
         limit = _budget_bytes(budget, base.memory(["keep"] * base.num_layers))
         allowed = self.measured.get("levers", LEVERS)
         tuning = self._settings if settings is None else settings

@@ -79,7 +79,7 @@ def plan_summary(plan: Plan) -> str:
     if c is None:
         return f"plan: {summary(plan.levers)}{outside} (chosen by hand: no predictions)"
     t, m = c.seconds(plan.levers), c.memory(plan.levers)
-    base = (plan._variants or {}).get((), c)  # the step without any lever
+    base = plan._unlevered or c  # the step without any lever
     keep = ["keep"] * c.num_layers
     base_t = base.step_s if base.step_s is not None else base.raw_seconds(keep)
     base_m = base.memory(keep)
@@ -147,7 +147,7 @@ def prediction_errors(plan: Plan) -> list[dict[str, Any]]:
     if plan.costs is None:
         return []
     # the configurations were measured without model levers: their model's rows
-    c = (plan._variants or {}).get((), plan.costs)
+    c = plan._unlevered or plan.costs
     L = c.num_layers
     every = {
         "none": ["keep"] * L,

@@ -37,7 +37,7 @@ LEVERS_OUTSIDE = (
 #     nothing of what the allocator reserved beyond them counted): the step cannot fit.
 # The measuring step at that size ran, so this happens when more is allocated now than
 # then (optimizer states made after the first step, another model loaded). Otherwise
-# (bytes predicted at a size not measured, or past the limit less MEMORY_MARGIN only) the
+# (bytes predicted at a size not measured, or past the limit less memory_margin only) the
 # prediction may be wrong in the direction of a step that fits, and it warns once
 # instead. It also only warns where the head lever is installed on the model that holds
 # the layers (offload._core._levers): the user opted in to the levers outside the layers
