@@ -47,6 +47,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 B=benchmarks
+# long_context SECONDS PER_CONFIG WARMUP "model seq methods" ...: rows of long_context.json
+# (bench_long_context.py --append: a configuration measured again replaces its row),
+# each "model seq methods" in at most SECONDS, each configuration in PER_CONFIG
+long_context() {
+  local total=$1 each=$2 warmup=$3 run
+  shift 3
+  for run in "$@"; do
+    set -- $run
+    timeout "$total" python3 $B/longctx/bench_long_context.py --append --timeout "$each" \
+      --warmup "$warmup" --steps 2 --out "$OUT/long_context.json" \
+      --models "$1" --seqs "$2" --methods "$3" 2>&1 | grep -v "^|"
+  done
+}
 parts=${*:-tests}
 parts=${parts//headline/ref8l planner others}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -63,33 +76,22 @@ for part in $parts; do
                2>&1 | tee "$OUT/pytest_cuda_alone.log" | tail -12
            else timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider -rs tests \
              2>&1 | tee "$OUT/pytest_cuda.log" | tail -25; fi ;;
-    longctx) L="timeout 240 python3 $B/longctx/bench_long_context.py --append --timeout 120 \
-             --warmup 1 --steps 2 --out $OUT/long_context.json"
-             timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
+    longctx) timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
              # most telling first: a run cut short keeps what it finished
-             for run in "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo" \
+             long_context 240 120 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo" \
                  "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo" \
                  "llama-1b 16384 none,ours-plan" \
                  "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" \
                  "llama-8b-lora 16384 deepspeed-ckpt-offload-tiled" \
                  "llama-8b-lora 32768 deepspeed-ckpt-offload-tiled" \
-                 "llama-1b 16384 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo"; do
-               set -- $run
-               $L --models $1 --seqs $2 --methods $3 2>&1 | grep -v "^|"
-             done ;;
-    longctxpeers) L="timeout 280 python3 $B/longctx/bench_long_context.py --append --timeout 120 \
-             --warmup 1 --steps 2 --out $OUT/long_context.json"
-             for run in "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
+                 "llama-1b 16384 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo" ;;
+    longctxpeers) long_context 280 120 1 \
+                 "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
                  "llama-8b-lora 32768 ours-ckpt-head,deepspeed-ckpt-offload-tiled,trl-offload-ckpt" \
                  "llama-1b 16384 hf-ckpt,ours-default,ours-ckpt,trl-offload,trl-offload-ckpt,deepspeed-ckpt-offload" \
-                 "llama-1b 32768 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan"; do
-               set -- $run
-               $L --models $1 --seqs $2 --methods $3 2>&1 | grep -v "^|"
-             done ;;
-    longctxlong) L="timeout 560 python3 $B/longctx/bench_long_context.py --append --timeout 280 \
-             --warmup 0 --steps 2 --out $OUT/long_context.json"
-             $L --models llama-8b-lora --seqs 131072 \
-               --methods ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled 2>&1 | grep -v "^|" ;;
+                 "llama-1b 32768 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan" ;;
+    longctxlong) long_context 560 280 0 \
+                 "llama-8b-lora 131072 ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled" ;;
     ref8l) timeout 300 python3 $B/activations/bench_activations.py --compress-ks 4,7 \
              --out "$OUT/activations_ref8l.json" 2>&1 | tail -16 ;;
     others) timeout 500 python3 $B/activations/bench_others.py \
