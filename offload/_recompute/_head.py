@@ -39,7 +39,7 @@ _BACKENDS = ("torch", "liger")
 #: head's weight gradient can be formed, which a forward-time gradient cannot know).
 _REDUCTIONS = ("mean", "sum")
 #: Elements of one slice's fp32 logits that ``slice_tokens="auto"`` aims at: 2**27 is
-#: 512 MiB per fp32 buffer (a slice holds about three: logits, softmax, their cast).
+#: 512 MiB per fp32 buffer (a slice holds about two: Note [head slice buffers]).
 _AUTO_ELEMENTS = 2**27
 _AUTO_MIN, _AUTO_MAX = 256, 8192
 #: Config attributes of models whose forward rescales the logits in a way this module
@@ -94,6 +94,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+# Note [head slice buffers]
+# A slice of ``rows`` tokens holds, at its peak, the logits in the head's dtype, their
+# fp32 log-softmax (made from them in one kernel: ``log_softmax(dtype=float32)`` reads
+# the low-precision logits, so no fp32 copy of them exists) and the gradient in the
+# head's dtype: in bf16 one fp32 buffer and two halves, about two fp32 slices. The
+# log-softmax turns into the gradient in place (exp, minus the one-hot, times the
+# per-row scale written straight into the low-precision buffer). The per-slice passes
+# over the logits are what this costs beyond the two matmuls the plain head also runs.
+
+
 class _SlicedLinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients slice by slice in the forward; the backward scales them."""
 
@@ -136,27 +146,36 @@ class _SlicedLinearCrossEntropy(torch.autograd.Function):
                 t = targets[start : start + rows]
                 valid = t != ignore_index
                 safe = torch.where(valid, t, 0)
-                z = F.linear(x, w, b).float()  # HF upcasts the logits to fp32 for the loss
+                z = F.linear(x, w, b)
                 tanh = None
                 if softcap is not None:
-                    tanh = z.div_(softcap).tanh_()
+                    tanh = z.float().div_(softcap).tanh_()
                     z = tanh * softcap
-                lse = torch.logsumexp(z, dim=-1)
-                picked = z.gather(1, safe[:, None]).squeeze(1)
-                total += torch.where(valid, lse - picked, 0.0).sum()
+                # HF upcasts the logits to fp32 and takes log_softmax + nll; dtype= fuses
+                # the upcast into the one kernel (no fp32 copy of the logits), and its
+                # output becomes the gradient in place below (Note [head slice buffers]).
+                logp = torch.log_softmax(z, dim=-1, dtype=torch.float32)
+                del z
+                picked = logp.gather(1, safe[:, None]).squeeze(1)
+                total -= torch.where(valid, picked, 0.0).sum()
                 if not any_grad:
                     continue
-                # d loss / d z = (softmax(z) - onehot(t)) * scale on the valid rows, made
-                # in place in z's buffer: no second tokens x vocab fp32 tensor.
-                g = z.sub_(lse[:, None]).exp_()
+                # d loss / d z = (softmax(z) - onehot(t)) * scale on the valid rows.
+                g = logp.exp_()
                 g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
-                g.mul_((valid.float() * scale)[:, None])
+                weights = (valid.float() * scale)[:, None]
                 if tanh is not None:
                     g.mul_(tanh.square_().neg_().add_(1.0))  # d(c tanh(z/c))/dz
                     del tanh
-                g_low = g.to(dtype)  # where the plain head's gradient leaves fp32
+                if dtype == torch.float32:
+                    g_low = g.mul_(weights)
+                else:  # scaled in fp32 and cast on the way out, where the plain head's
+                    # gradient leaves fp32: one pass instead of a multiply and a cast
+                    g_low = torch.empty(g.shape, dtype=dtype, device=g.device)
+                    torch.mul(g, weights, out=g_low)
+                del g, logp
                 if grad_x is not None:
-                    grad_x[start : start + rows] = (g_low @ w).to(hidden.dtype)
+                    grad_x[start : start + rows] = g_low @ w
                 if grad_w is not None:
                     if dtype == torch.float32:
                         grad_w.addmm_(g_low.t(), x)
@@ -164,8 +183,11 @@ class _SlicedLinearCrossEntropy(torch.autograd.Function):
                         grad_w += (g_low.t() @ x).float()
                 if grad_b is not None:
                     grad_b += g_low.float().sum(0)
-                del g, g_low, z
-        ctx.grads = (
+                del g_low
+        # Saved, not kept on ctx: autograd frees saved tensors once the backward has
+        # used them, while ctx's attributes live as long as the graph (the loss tensor):
+        # held there, they would stay through the whole backward of the model.
+        ctx.save_for_backward(
             grad_x,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),  # type: ignore[union-attr]
@@ -175,7 +197,7 @@ class _SlicedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        grad_x, grad_w, grad_b = ctx.grads
+        grad_x, grad_w, grad_b = ctx.saved_tensors
 
         def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
             return None if g is None else g * grad_out.to(g.dtype)
@@ -228,14 +250,14 @@ def sliced_cross_entropy(
     The rows of ``hidden`` (every dimension but the last flattened) are taken
     ``slice_tokens`` at a time: their logits in the head's dtype (autocast's where
     autocast is on), upcast to fp32 as Hugging Face does, optionally soft-capped
-    (``softcap * tanh(z / softcap)``), then the log-sum-exp and the target's logit. When
+    (``softcap * tanh(z / softcap)``), then their log-softmax and the target's entry. When
     a backward will follow (grad mode on and ``hidden``, ``weight`` or ``bias`` requiring
     grad), the slice's gradients are formed in the same pass: the logits' gradient in
     fp32, cast to the head's dtype (where the plain head's gradient leaves fp32), times
     the weight for ``hidden``, and summed in fp32 over slices for ``weight`` and
     ``bias`` when they require grad. The backward multiplies them by the loss's gradient.
 
-    Peak memory: one slice's fp32 logits about three times over, instead of all of them;
+    Peak memory: one slice's fp32 logits about twice over, instead of all of them;
     kept for the backward: the gradient of ``hidden`` (its size) and the weight's and
     bias's gradients when they require grad. Equal to the plain computation up to float
     summation order (the tests hold it to rtol 1e-5 in fp32, and to 2 % of the largest

@@ -13,7 +13,9 @@ twin checks that the peak memory drops.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
+import weakref
 
 import pytest
 import torch
@@ -125,6 +127,30 @@ def test_functional_without_grad_builds_no_graph() -> None:
         loss = offload.sliced_cross_entropy(h, w, y, b, slice_tokens=4)
     assert loss.grad_fn is None
     assert_close(loss, _plain_ce(h, w, b, y).detach(), what="loss")
+
+
+def test_functional_gradients_released_by_the_backward_while_the_loss_lives() -> None:
+    """Note [head slice buffers]: the gradients formed in the forward are autograd's saved
+    tensors, freed by the backward that used them, not kept as long as the loss."""
+    h, w, b, y = _leaves()
+    loss = offload.sliced_cross_entropy(h, w, y, b, slice_tokens=4)
+    saved = [weakref.ref(t) for t in loss.grad_fn.saved_tensors if t is not None]
+    assert len(saved) == 3  # hidden's, weight's and bias's gradients
+    loss.backward()
+    gc.collect()
+    assert [r() for r in saved] == [None, None, None]
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_functional_retain_graph_backward_twice_doubles() -> None:
+    h, w, b, y = _leaves()
+    loss = offload.sliced_cross_entropy(h, w, y, b, slice_tokens=4)
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in (h, w, b)]
+    loss.backward()
+    for t, g in zip((h, w, b), once):
+        assert torch.equal(t.grad, g * 2)
 
 
 def test_auto_slice_tokens() -> None:
