@@ -49,6 +49,34 @@ def _concat(parts: list[Any], dim: int, fn: Callable[..., Any]) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+# Note [tiled input first]
+# A tiled call keeps only its input for the backward. If the call itself saved it, the
+# save would be packed when its forward returns, after the tiles ran; under a
+# non-reentrant checkpoint (torch's, :func:`offload.checkpoint`, Hugging Face's) the
+# recomputation for the backward would then run every tile once more, only to reach
+# that save, and the backward would run them a third time. So the input is saved by an
+# identity node of its own (:class:`_KeepInput`) called just before: when that save is
+# the last of the checkpointed region (a decoder layer ends in its MLP and a residual
+# add, which saves nothing), the checkpoint's early stop ends the recomputation there,
+# and the MLP's forward runs twice in all (forward, backward), as without tiling. The
+# tiled node reads the input from the identity node's saved tensors in its backward,
+# which runs before the identity node's (autograd frees those only after that).
+
+
+class _KeepInput(torch.autograd.Function):
+    """Identity that saves its input for the tiled call after it (Note [tiled input first])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class _TiledCall(torch.autograd.Function):
     """``fn`` over tiles of the sequence: forward without a graph, backward by tile."""
 
@@ -58,10 +86,11 @@ class _TiledCall(torch.autograd.Function):
         fn: Callable[[torch.Tensor], torch.Tensor],
         tile: int,
         dim: int,
+        keep: Any,
         x: torch.Tensor,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.fn, ctx.tile, ctx.dim, ctx.params = fn, tile, dim, params
+        ctx.fn, ctx.tile, ctx.dim, ctx.params, ctx.keep = fn, tile, dim, params, keep
         # The backward replays the tiles in the same order from the same RNG state, so a
         # dropout inside (a LoRA adapter's) draws the same masks.
         ctx.rng = _device_states(x)
@@ -69,7 +98,8 @@ class _TiledCall(torch.autograd.Function):
             torch.is_autocast_enabled(x.device.type),
             torch.get_autocast_dtype(x.device.type),
         )
-        ctx.save_for_backward(x)
+        if keep is None:  # x needs no gradient: no identity node went before
+            ctx.save_for_backward(x)
         with torch.no_grad():
             out = _concat([fn(part.contiguous()) for part in x.split(tile, dim)], dim, fn)
         return out
@@ -77,9 +107,9 @@ class _TiledCall(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
-        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[4:]) if need]
-        need_x = ctx.needs_input_grad[3]
+        (x,) = ctx.saved_tensors if ctx.keep is None else ctx.keep.saved_tensors
+        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[5:]) if need]
+        need_x = ctx.needs_input_grad[4]
         grad_x: Any = torch.empty_like(x) if need_x else None
         # fp32 sums: the plain MLP forms each parameter gradient in one matmul (fp32
         # accumulation inside); a per-tile sum in bf16 would round once per tile.
@@ -108,8 +138,8 @@ class _TiledCall(torch.autograd.Function):
                         total += grad
                 offset += part.shape[ctx.dim]
         out_grads = iter(s.to(p.dtype) for s, p in zip(sums, params))
-        param_grads = [next(out_grads) if need else None for need in ctx.needs_input_grad[4:]]
-        return (None, None, None, grad_x, *param_grads)
+        param_grads = [next(out_grads) if need else None for need in ctx.needs_input_grad[5:]]
+        return (None, None, None, None, grad_x, *param_grads)
 
 
 def _tiled_forward(
@@ -129,7 +159,11 @@ def _tiled_forward(
                 parts = [original(part.contiguous()) for part in x.split(tile, dim)]
                 return _concat(parts, dim, original)
         handle.calls += 1
-        return _TiledCall.apply(original, tile, dim, x, *params)
+        keep = None
+        if x.requires_grad:  # Note [tiled input first]
+            x = _KeepInput.apply(x)
+            keep = x.grad_fn
+        return _TiledCall.apply(original, tile, dim, keep, x, *params)
 
     tiled_forward._offload_tiled = True  # type: ignore[attr-defined]
     return tiled_forward
@@ -244,7 +278,9 @@ def tile_mlp(
 
     Memory: the forward's peak is one tile's intermediates, and nothing but the input is
     kept; under checkpointing the recomputed layer keeps only the input too. Time: the
-    MLP's forward runs once more (in the backward), like checkpointing it.
+    MLP's forward runs once more (in the backward), like checkpointing it; under a
+    non-reentrant checkpoint of a layer that ends in the MLP (a Hugging Face decoder
+    layer), the recomputation stops before it, so tiling adds no third run.
 
     Args:
         model_or_modules: a model (its decoder layers are found with

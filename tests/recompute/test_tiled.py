@@ -221,6 +221,40 @@ def test_hf_llama_composes(compose) -> None:
     tiles.remove()
 
 
+@pytest.mark.parametrize("checkpointing", ["torch", "offload", "hf", "hf-ours"])
+def test_checkpointed_layer_runs_the_mlp_twice_not_three_times(checkpointing) -> None:
+    """Note [tiled input first]: under a non-reentrant checkpoint of a layer ending in its
+    MLP, the recomputation stops at the tiled call's input, so each tile of each layer
+    runs once in the forward and once in the backward; gradients as the plain model's."""
+    from offload.integrations.hf import offload_checkpointing
+
+    plain = tiny_llama(layers=3)
+    model = copy.deepcopy(plain)
+    ids, labels = batch(96, seq=48)
+    want_loss, want, _ = step(plain, ids, labels)
+    runs = []
+    for i, layer in enumerate(offload.find_layers(model)):
+        inner = layer.mlp.forward
+        layer.mlp.forward = lambda x, _i=i, _f=inner: (runs.append(_i), _f(x))[1]
+    tiles = offload.tile_mlp(model, tile_tokens=10)  # 48 tokens: 5 tiles a call
+    undo = None
+    if checkpointing in ("hf", "hf-ours"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        undo = offload_checkpointing(model) if checkpointing == "hf-ours" else None
+    else:
+        fn = offload.checkpoint if checkpointing == "offload" else torch.utils.checkpoint.checkpoint
+        for layer in offload.find_layers(model):
+            call = layer.forward
+            layer.forward = lambda *a, _c=call, **k: fn(_c, *a, use_reentrant=False, **k)
+    loss, got, _ = step(model, ids, labels)
+    assert sorted(runs) == sorted([0, 1, 2] * 10), runs  # 5 tiles forward, 5 backward
+    assert_close(loss, want_loss, what="loss")
+    assert_grads_close(got, want)
+    if undo is not None:
+        undo.remove()
+    tiles.remove()
+
+
 def test_hf_peft_lora_in_the_mlp() -> None:
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(
