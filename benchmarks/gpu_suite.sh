@@ -7,9 +7,10 @@
 #   tests      the CUDA tests (pytest -m cuda; torchao from .whl/ when present); WORKERS=n
 #              runs the files whose outcome does not depend on timing or on the device's
 #              free memory in n processes at once (pytest-xdist), then the others alone
-#   longctx    long_context.json: bench_long_context.py, Llama-3-8B shape with LoRA at 16k,
-#              32k and 64k tokens and Llama ~1.1B at 16k, ours against HF checkpointing,
-#              unsloth_zoo and DeepSpeed's tiling (peers from .whl/, see the script)
+#   longctx    long_context.json: bench_long_context.py, Llama-3-8B shape with LoRA at 16k
+#              and 32k tokens, ours against HF checkpointing and unsloth_zoo (peers from
+#              .whl/, see the script)
+#   longctx2   more rows of the same file: Llama ~1.1B at 16k, the 8B shape at 64k
 #   longctxpeers  more rows of the same file: DeepSpeed, TRL, transformers' offload=True,
 #              ours without tiles at 32k, Llama ~1.1B at 32k
 #   longctxlong   the 8B shape at 128k tokens: ours, unsloth_zoo, DeepSpeed's tiling
@@ -49,14 +50,15 @@ fi
 B=benchmarks
 # long_context SECONDS PER_CONFIG WARMUP "model seq methods" ...: rows of long_context.json
 # (bench_long_context.py --append: a configuration measured again replaces its row),
-# each "model seq methods" in at most SECONDS, each configuration in PER_CONFIG
+# each "model seq methods" in at most SECONDS, each configuration in PER_CONFIG, timed
+# steps: $STEPS (default 2)
 long_context() {
   local total=$1 each=$2 warmup=$3 run
   shift 3
   for run in "$@"; do
     set -- $run
     timeout "$total" python3 $B/longctx/bench_long_context.py --append --timeout "$each" \
-      --warmup "$warmup" --steps 2 --out "$OUT/long_context.json" \
+      --warmup "$warmup" --steps "${STEPS:-2}" --out "$OUT/long_context.json" \
       --models "$1" --seqs "$2" --methods "$3" 2>&1 | grep -v "^|"
   done
 }
@@ -78,13 +80,11 @@ for part in $parts; do
              2>&1 | tee "$OUT/pytest_cuda.log" | tail -25; fi ;;
     longctx) timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
              # most telling first: a run cut short keeps what it finished
-             long_context 240 120 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo" \
-                 "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo" \
-                 "llama-1b 16384 none,ours-plan" \
-                 "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" \
-                 "llama-8b-lora 16384 deepspeed-ckpt-offload-tiled" \
-                 "llama-8b-lora 32768 deepspeed-ckpt-offload-tiled" \
-                 "llama-1b 16384 hf-ckpt,ours-ckpt-head-tile,unsloth-zoo" ;;
+             STEPS=6 long_context 200 90 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo"
+             STEPS=4 long_context 300 100 1 \
+                 "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo" ;;
+    longctx2) STEPS=6 long_context 200 80 1 "llama-1b 16384 none,ours-ckpt-head,unsloth-zoo,ours-plan"
+             long_context 200 100 1 "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" ;;
     longctxpeers) long_context 280 120 1 \
                  "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
                  "llama-8b-lora 32768 ours-ckpt-head,deepspeed-ckpt-offload-tiled,trl-offload-ckpt" \
