@@ -80,7 +80,7 @@ for part in $parts; do
              2>&1 | tee "$OUT/pytest_cuda.log" | tail -25; fi ;;
     longctx) timeout 40 python3 $B/longctx/check_peers.py 2>&1 | tail -8
              # most telling first: a run cut short keeps what it finished
-             STEPS=6 long_context 200 90 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,unsloth-zoo"
+             STEPS=6 long_context 250 90 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,ours-ckpt-head-liger,unsloth-zoo"
              STEPS=4 long_context 300 100 1 \
                  "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo" ;;
     longctx2) STEPS=6 long_context 200 80 1 "llama-1b 16384 none,ours-ckpt-head,unsloth-zoo,ours-plan"

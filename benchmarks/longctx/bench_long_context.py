@@ -26,7 +26,9 @@ kwargs={"use_reentrant": False})``); ``hf-ckpt-offload`` (the same with
 ``offload=True``, where the installed transformers has it); ``ours-default``
 (``ActivationOffloader(find_layers(model))``, "auto"); ``ours-ckpt``
 (``offload_checkpointing``); ``ours-ckpt-head`` (+ ``sliced_head_loss``);
-``ours-ckpt-head-tile`` (+ ``tile_mlp``); ``ours-plan`` (``offload.plan`` at
+``ours-ckpt-head-tile`` (+ ``tile_mlp``); ``ours-ckpt-head-liger`` (``ours-ckpt-head``
+with ``sliced_head_loss(backend="liger")``: Liger-Kernel's fused kernel, CUDA only);
+``ours-plan`` (``offload.plan`` at
 ``--plan-budget-gib`` of activation peak, default 1.9, head slices of
 ``--slice-tokens``, default 1024; CUDA only; the planning time is in the row); peers (``--methods`` names; each row records
 ``peer``, ``peer_version`` and ``loaded_as``):
@@ -130,6 +132,7 @@ METHODS = (
     "ours-ckpt",
     "ours-ckpt-head",
     "ours-ckpt-head-tile",
+    "ours-ckpt-head-liger",
     "ours-plan",
     "trl-offload",
     "trl-offload-ckpt",
@@ -147,6 +150,7 @@ PEER_PACKAGES = {
     "deepspeed-ckpt-offload-tiled": "deepspeed",
     "unsloth-zoo": "unsloth_zoo",
     "unsloth-zoo-nofused": "unsloth_zoo",
+    "ours-ckpt-head-liger": "liger_kernel",
 }
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -408,7 +412,10 @@ def apply_method(
     if method.startswith("ours-ckpt"):
         offload_checkpointing(causal)
         if "head" in method:
-            offload.sliced_head_loss(model)
+            backend = "liger" if method.endswith("-liger") else "torch"
+            if backend == "liger":
+                info.update(peer="liger-kernel", peer_version=_version("liger-kernel"))
+            offload.sliced_head_loss(model, backend=backend)
         if "tile" in method:
             offload.tile_mlp(causal, tile_tokens=16 if quick else "auto")
         return contextlib.nullcontext, False, info
@@ -597,6 +604,8 @@ def peer_missing(method: str, device: torch.device) -> str | None:
         return f"{package} is not installed"
     if method == "hf-ckpt-offload" and not hf_offload_supported():
         return "the installed transformers has no gradient checkpointing offload=True"
+    if method == "ours-ckpt-head-liger" and device.type != "cuda":
+        return "Liger-Kernel's Triton kernel needs CUDA"
     if method == "hf-ckpt-offload" and device.type != "cuda":
         return "its save_on_cpu(pin_memory=True) needs an accelerator"
     return None
