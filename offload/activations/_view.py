@@ -53,7 +53,7 @@ class LayerView:
         held_back: how many of its saves are held back now, to be placed after its
             kernels are queued (the step's first call: Note [release order], 1(c));
             ``None`` when none are (another call, or placed already).
-        buckets: its :class:`BucketView` s, in the order they were opened.
+        buckets: its buckets (:class:`BucketView`), in the order they were opened.
     """
 
     index: int
@@ -130,8 +130,9 @@ class StepView:
         calls: the modules of its layer calls, in call order (those run untracked
             included: Note [untracked calls] in ``offload/activations/_layer_calls.py``).
         graph_host_bytes: host bytes bound now to CUDA graphs captured with the
-            offloader (replays write them; :meth:`offload.ActivationOffloader.free_graph_memory`
-            releases them); 0 without captures.
+            offloader (replays write them;
+            :meth:`~offload.ActivationOffloader.free_graph_memory` releases them); 0
+            without captures.
         auto_state: with ``offload_layers="auto"``, what the policy remembers when the
             view is taken (an :class:`AutoView`); else ``None``.
 
