@@ -361,12 +361,16 @@ class ActivationOffloader(LayerCalls):
     @property
     def last_step(self) -> StepView | None:
         """A read-only view of the most recent forward and its backward, per layer call
-        (planned, offloaded, released, reloaded, dropped; the waits; the auto decision):
-        a frozen :class:`~offload.activations._view.StepView` taken when read, or
-        ``None`` before the first forward. With ``timing=True`` reading it waits on the
-        host for the recorded copies, as :attr:`stats` does."""
+        (planned, offloaded, released, reloaded, dropped, its buckets of small tensors;
+        the waits; the auto decision and what the auto policy remembers): a frozen
+        :class:`~offload.activations._view.StepView` taken when read, or ``None`` before
+        the first forward. Read inside a forward, it shows that forward so far
+        (``in_progress``). With ``timing=True`` reading it waits on the host for the
+        recorded copies, as :attr:`stats` does."""
         step = self._last
-        return None if step is None else view_of(step)
+        if step is None:
+            return None
+        return view_of(step, in_progress=step is self._step, policy=self._auto)
 
     def report(self, console: Any = None) -> None:
         """Print :attr:`stats` as a table (rich); before any forward, say so instead."""

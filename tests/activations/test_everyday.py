@@ -134,7 +134,9 @@ def test_memory_comes_back_without_garbage_collection() -> None:
                 h = layer(h)
         h.sum().backward()
         assert off.stats.bytes_offloaded > 0
-        step_ref = weakref.ref(off._last)
+        # the last step's own stats object (``stats`` returns it), held by that step
+        # alone: it dies with the step
+        step_ref = weakref.ref(off.stats)
         layer_ref = weakref.ref(layers[0])
         del h, off, layers, x
         assert step_ref() is None

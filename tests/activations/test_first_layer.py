@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import offload
+from offload._core import _runtime
 from offload._core._device import SyncBackend
 from offload.activations._handles import Kept, Offloaded, Pending
-from offload.activations._step import LATE_CALLS
+from offload.activations._step import LATE_CALLS, Step
 from tests import models
 
 
@@ -35,11 +36,11 @@ class Probe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.sin(self.fc1(x))  # sin saves fc1's output
-        step = self.off._step if self.off is not None else None
-        if step is not None and step.open is not None:
-            g = step.open
-            held = -1 if g.deferred is None else len(g.deferred)
-            self.seen.append((g.index, held, len(step.storages)))
+        step = self.off.last_step if self.off is not None else None
+        if step is not None and step.in_progress and step.open_layer is not None:
+            g = step.layers[step.open_layer]
+            held = -1 if g.held_back is None else g.held_back
+            self.seen.append((g.index, held, step.storages_placed))
         if self.grad_inside:
             # an unpack before the layer closes: the saved tensor is still the original
             (d,) = torch.autograd.grad(h.sum(), self.fc1.weight, retain_graph=True)
@@ -138,8 +139,8 @@ def test_exception_in_the_first_layer_frees_everything() -> None:
     h.remove()
     index, held, placed = layers[0].seen[-1]
     assert index == 0 and held > 0 and placed == 0  # it failed with saves held back
-    step = off._last
-    assert step.aborted and all(g.deferred is None for g in step.groups)
+    step = off.last_step
+    assert step.aborted and all(g.held_back is None for g in step.layers)
     assert off.stats.host_pool_bytes == 0
     # the next step works and is exact
     for layer in layers:
@@ -151,23 +152,25 @@ def test_exception_in_the_first_layer_frees_everything() -> None:
     assert off.stats.layers[0].bytes_offloaded > 0
 
 
-def test_deferred_handles_wrap_the_saved_tensor_until_the_close() -> None:
+def test_deferred_handles_wrap_the_saved_tensor_until_the_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     layers = _layers(n=2)
     off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
     handles: list[tuple[Pending, Kept]] = []
-    with off:
-        step = off._step
-        original = step.pack
+    original = Step.pack
 
-        def pack(t):
-            handle = original(t)
-            if type(handle) is Pending and step.open is not None and step.open.index == 0:
-                assert type(handle.inner) is Kept and handle.inner.tensor is not t
-                handles.append((handle, handle.inner))
-            return handle
+    def pack(step, t):
+        handle = original(step, t)
+        if type(handle) is Pending and step.open is not None and step.open.index == 0:
+            assert type(handle.inner) is Kept and handle.inner.tensor is not t
+            handles.append((handle, handle.inner))
+        return handle
 
-        step.pack = pack  # type: ignore[method-assign]
-        loss = models.run_plain(layers, torch.randn(16, 32)).sum()
+    with monkeypatch.context() as m:  # the pack of the steps made meanwhile (this one)
+        m.setattr(Step, "pack", pack)
+        with off:
+            loss = models.run_plain(layers, torch.randn(16, 32)).sum()
     assert len(handles) >= 2
     assert all(h.inner is not at_save for h, at_save in handles)  # placed at the close
     assert any(isinstance(h.inner, Offloaded) for h, _ in handles)
@@ -252,14 +255,18 @@ class _ScriptedBackend(SyncBackend):
     ],
 )
 def test_first_layer_placed_once_the_host_is_a_call_ahead(
-    n: int, k: int, reached: Callable[[int], bool], placed_at: int | None
+    n: int,
+    k: int,
+    reached: Callable[[int], bool],
+    placed_at: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n))
     ref = models.twin(layers)
-    off = offload.ActivationOffloader(layers, offload_layers=k, min_tensor_bytes=0)
     backend = _ScriptedBackend(torch.device("cpu"), reached)
-    off._runtime._backends[torch.device("cpu")] = backend
+    monkeypatch.setattr(_runtime, "backend_for", lambda d, _stream=None: backend)
+    off = offload.ActivationOffloader(layers, offload_layers=k, min_tensor_bytes=0)
     for it in range(2):
         backend.marks = 0
         x = torch.randn(4, 32) + it
@@ -334,9 +341,9 @@ def test_inputs_copied_after_the_calls_start(lever: str, recompute: str, monkeyp
     plan = offload.Plan(
         list(layers), levers, min_tensor_bytes=0, recompute=recompute or "reentrant"
     )
-    plan.apply()
     backend = _ReadyBackend(torch.device("cpu"))
-    plan.offloader._runtime._backends[torch.device("cpu")] = backend
+    monkeypatch.setattr(_runtime, "backend_for", lambda d, _stream=None: backend)
+    plan.apply()
     x = torch.randn(8, dim)
     got = models.step(layers, x, models.run_plain, plan.offloader)
     models.assert_same(got, models.step(ref, x, models.run_plain))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._core import _transfer
+from offload._core import _runtime, _transfer
 from offload.activations import _saves
 from offload.activations._handles import Gathered, Pending
 from offload.activations._saves import _Bucket
@@ -32,12 +32,28 @@ class ManySmall(nn.Module):
         return h + torch.sin(h.bfloat16()).float()
 
 
-class _CountingD2H:
-    """Counts the D2H copies an offloader issues (its CPU backend, wrapped)."""
+def _wrap_backends(monkeypatch: pytest.MonkeyPatch, wrap) -> None:
+    """``wrap(backend)`` applied to every copy backend an offloader makes meanwhile (its
+    runtime makes one per device at first use, through ``_runtime.backend_for``)."""
+    make = _runtime.backend_for
 
-    def __init__(self, off: offload.ActivationOffloader) -> None:
+    def backend_for(device, stream=None):
+        backend = make(device, stream)
+        wrap(backend)
+        return backend
+
+    monkeypatch.setattr(_runtime, "backend_for", backend_for)
+
+
+class _CountingD2H:
+    """Counts the D2H copies the offloaders made meanwhile issue (their CPU backends,
+    wrapped)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pairs = 0
-        backend = off._runtime.backend(torch.device("cpu"))
+        _wrap_backends(monkeypatch, self._wrap)
+
+    def _wrap(self, backend) -> None:
         original = backend.d2h
 
         def d2h(pairs, fence, times=None, transient=None, ready=None):
@@ -47,12 +63,19 @@ class _CountingD2H:
         backend.d2h = d2h  # type: ignore[method-assign]
 
 
-def test_small_tensors_share_one_copy_per_layer_and_dtype() -> None:
+def _buckets(off: offload.ActivationOffloader) -> list:
+    """The buckets of the offloader's last step, call after call."""
+    return [b for la in off.last_step.layers for b in la.buckets]
+
+
+def test_small_tensors_share_one_copy_per_layer_and_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(ManySmall(12) for _ in range(3))
     ref = models.twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers=2, min_tensor_bytes=0)
-    counter = _CountingD2H(off)
+    counter = _CountingD2H(monkeypatch)
     x = torch.randn(4, 64)
     got = models.step(layers, x, models.run_plain, off)
     models.assert_same(got, models.step(ref, x, models.run_plain))
@@ -61,13 +84,14 @@ def test_small_tensors_share_one_copy_per_layer_and_dtype() -> None:
     # two offloaded layers, each: one fp32 bucket (fc's input, 12 sin inputs, the add's
     # input) and one bf16 bucket (the last sin's input): four copies, not 30
     assert counter.pairs == 4
-    step = off._last
-    assert len(step.all_buckets) == 4
-    assert {b.dtype for b in step.all_buckets} == {torch.float32, torch.bfloat16}
-    assert stats.bytes_offloaded == sum(b.end for b in step.all_buckets)
+    step = off.last_step
+    buckets = _buckets(off)
+    assert len(buckets) == 4
+    assert {b.dtype for b in buckets} == {torch.float32, torch.bfloat16}
+    assert stats.bytes_offloaded == sum(b.nbytes for b in buckets)
     assert stats.bytes_by_dtype["bfloat16"] == 2 * 4 * 64 * 2
     assert stats.host_pool_bytes == 0  # every block returned after the backward
-    assert step.awaiting == 0 and step.backward_done
+    assert step.awaiting_backward == 0 and step.backward_done
 
 
 def test_bucket_grows_in_place_and_seals_at_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,10 +104,10 @@ def test_bucket_grows_in_place_and_seals_at_its_cap(monkeypatch: pytest.MonkeyPa
     x = torch.randn(4, 64)
     got = models.step(layers, x, models.run_plain, off)
     models.assert_same(got, models.step(ref, x, models.run_plain))
-    fp32 = [b for b in off._last.all_buckets if b.dtype is torch.float32]
+    fp32 = [b for b in _buckets(off) if b.dtype is torch.float32]
     # 41 fp32 tensors of 1 KiB (fc's input, 40 sin inputs) in buckets of at most 16 KiB,
     # each grown in place from 4 KiB
-    assert [b.end for b in fp32] == [16384, 16384, 9 * 1024]
+    assert [b.nbytes for b in fp32] == [16384, 16384, 9 * 1024]
     assert off.stats.host_pool_bytes == 0
 
 
@@ -101,7 +125,7 @@ def test_host_budget_below_a_bucket_falls_back_to_a_copy_each() -> None:
     # fc's input, 4 sin inputs (fp32) and one bf16 tensor, each with its own block
     assert off.stats.bytes_offloaded == 5 * 1024 + 512
     assert off.stats.bytes_kept["host_limit"] == 0
-    assert not off._last.all_buckets
+    assert not _buckets(off)
 
 
 class SavesTwice(nn.Module):
@@ -142,8 +166,8 @@ def test_saving_a_member_again_reuses_its_place() -> None:
     assert len({h.index for h in gathered}) == 2  # ... of two members
     assert sorted(h.offset for h in gathered) == [0, 256, 256, 256 + 16]
     # h's bytes travelled once: the bucket holds x and h
-    (bucket,) = off._last.all_buckets
-    assert len(bucket.offsets) == 2
+    (bucket,) = _buckets(off)
+    assert bucket.tensors == 2
 
 
 def test_unpacking_twice_gets_equal_fresh_tensors() -> None:
@@ -178,8 +202,8 @@ def test_inplace_change_poisons_that_member_only() -> None:
     with off:
         y = layers[1](layers[0](x))
     # the release (at layer 1) found the change: only c's place is poisoned
-    (bucket,) = off._last.all_buckets
-    assert len(bucket.offsets) == 3 and list(bucket.poisons or {}) == [2]
+    (bucket,) = _buckets(off)
+    assert bucket.tensors == 3 and list(bucket.poisoned) == [2]
     with pytest.raises(RuntimeError, match="inplace"):
         y.sum().backward()
 
@@ -196,8 +220,8 @@ def test_exception_in_a_layer_returns_an_open_bucket() -> None:
     with pytest.raises(ValueError, match="boom"), off:
         models.run_plain(layers, x)
     assert off.stats.host_pool_bytes == 0
-    step = off._last
-    assert step.aborted and all(b.host is None for b in step.all_buckets)
+    step = off.last_step
+    assert step.aborted and all(not b.on_host for b in _buckets(off))
 
 
 def test_bucket_is_a_copy_for_the_rest_of_the_scheduler() -> None:
@@ -212,7 +236,7 @@ def test_no_buckets_under_compression_or_manual_synchronization() -> None:
     off = offload.ActivationOffloader(layers, offload_layers=1, min_tensor_bytes=0, compress="fp8")
     models.step(layers, torch.randn(4, 64), models.run_plain, off)
     # the bf16 tensor was quantized; the fp32 ones travelled exactly, one copy each
-    assert off.stats.compress_bytes_after > 0 and not off._last.all_buckets
+    assert off.stats.compress_bytes_after > 0 and not _buckets(off)
 
     layers = nn.ModuleList(ManySmall(3) for _ in range(2))
     ref = models.twin(layers)
@@ -237,7 +261,9 @@ def _run_manual(layers, h, ctx, sync, sched):
     return h
 
 
-def test_a_reloaded_bucket_is_never_seen_waited_for_before_its_wait() -> None:
+def test_a_reloaded_bucket_is_never_seen_waited_for_before_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Gathered.unpack reads ``bucket.buffer`` and ``bucket.waited`` without the lock:
     when a bucket is reloaded again (a second backward over a retained graph, after
     its first backward dropped the buffer), its new buffer must not appear with the
@@ -246,19 +272,24 @@ def test_a_reloaded_bucket_is_never_seen_waited_for_before_its_wait() -> None:
     layers = nn.ModuleList(ManySmall(3) for _ in range(3))
     ref = models.twin(layers)
     off = offload.ActivationOffloader(layers, offload_layers=2, min_tensor_bytes=0)
-    backend = off._runtime.backend(torch.device("cpu"))
-    original = backend.h2d
     seen: list[bool] = []
 
-    def h2d(pairs, waits, stream, times=None):
-        buckets = off._last.all_buckets
-        for _src, dst, _codec in pairs:
-            for b in buckets:
-                if b.buffer is dst:
-                    seen.append(b.waited)
-        return original(pairs, waits, stream, times)
+    def wrap(backend) -> None:
+        original = backend.h2d
 
-    backend.h2d = h2d  # type: ignore[method-assign]
+        def h2d(pairs, waits, stream, times=None):
+            # the buckets' device buffers, by identity, in the middle of their reload:
+            # the step's own objects (a view is a snapshot, taken under the lock)
+            buckets = off._last.all_buckets
+            for _src, dst, _codec in pairs:
+                for b in buckets:
+                    if b.buffer is dst:
+                        seen.append(b.waited)
+            return original(pairs, waits, stream, times)
+
+        backend.h2d = h2d  # type: ignore[method-assign]
+
+    _wrap_backends(monkeypatch, wrap)
     x = torch.randn(4, 64)
     got = models.step(layers, x, models.run_plain, off, backwards=2)
     models.assert_same(got, models.step(ref, x, models.run_plain, backwards=2))

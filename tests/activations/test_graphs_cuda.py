@@ -128,8 +128,8 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
     assert stats.bytes_released > 0
     # the capture itself holds less device memory: offloaded blocks were reused in it
     assert peak < peak_plain - stats.bytes_released // 2, (peak, peak_plain)
-    pool = off._runtime.pool
-    before = (pool.in_use_bytes, pool.reserved_bytes)
+    host = off.stats  # the host pool's figures, read again after the replays
+    before = (host.host_pool_bytes, host.host_pool_reserved_bytes)
     assert before[0] >= stats.bytes_offloaded
     for _ in range(REPLAYS):
         x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
@@ -143,7 +143,8 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
         assert all(torch.equal(a, b) for a, b in zip(control, want))  # control
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     torch.cuda.synchronize()
-    assert (pool.in_use_bytes, pool.reserved_bytes) == before
+    host = off.stats
+    assert (host.host_pool_bytes, host.host_pool_reserved_bytes) == before
     # the offloader still works eagerly afterwards, beside the graph's host blocks
     x = torch.randn(SHAPE, device=DEV, dtype=torch.bfloat16)
     want = eager_grads(ref, x)
@@ -155,7 +156,7 @@ def test_whole_step_graph_bitwise_over_replays(selection) -> None:
     del graph
     off.close()
     assert off.free_graph_memory() > 0
-    assert off._runtime.graph_blocks == []
+    assert off.last_step.graph_host_bytes == 0
 
 
 def test_whole_step_graph_races_slow_copies() -> None:
@@ -202,8 +203,8 @@ def test_per_layer_graphed_callables_bitwise_over_replays() -> None:
     assert [s.index for s in stats.layers] == [0, 1, 2, 3]
     assert [s.bytes_offloaded > 0 for s in stats.layers] == [True, True, False, True]
     assert stats.bytes_reloaded == stats.bytes_offloaded
-    pool = off._runtime.pool
-    before = (pool.in_use_bytes, pool.reserved_bytes)
+    host = off.stats  # the host pool's figures, read again after the replays
+    before = (host.host_pool_bytes, host.host_pool_reserved_bytes)
     assert before[0] >= stats.bytes_offloaded > 0
 
     def grads(callables, params, x: torch.Tensor) -> list[torch.Tensor]:
@@ -229,7 +230,8 @@ def test_per_layer_graphed_callables_bitwise_over_replays() -> None:
         assert all(torch.equal(a, b) for a, b in zip(control, want))  # control
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     torch.cuda.synchronize()
-    assert (pool.in_use_bytes, pool.reserved_bytes) == before
+    host = off.stats
+    assert (host.host_pool_bytes, host.host_pool_reserved_bytes) == before
     off.close()
 
 

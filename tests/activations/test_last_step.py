@@ -75,3 +75,39 @@ def test_auto_decision_is_the_stats_one() -> None:
     view = off.last_step
     assert view.auto is not None and view.auto == off.stats.auto
     off.close()
+
+
+def test_running_forward_buckets_and_auto_state() -> None:
+    layers = _layers()
+    off = offload.ActivationOffloader(layers, min_tensor_bytes=0)  # offload_layers="auto"
+    seen = []
+    hook = layers[1].register_forward_hook(lambda m, a, o: seen.append(off.last_step))
+    h = _forward(layers, off)
+    hook.remove()
+    (inside,) = seen
+    assert inside.in_progress and inside.open_layer == 1 and not inside.forward_done
+    assert list(inside.calls) == [layers[0], layers[1]]
+    view = off.last_step
+    assert not view.in_progress and view.open_layer is None and not view.aborted
+    assert list(view.calls) == list(layers) and view.graph_host_bytes == 0
+    # small tensors travel in buckets: one per offloaded call and dtype
+    assert all(len(la.buckets) == 1 for la in view.layers[:3]) and not view.layers[3].buckets
+    assert sum(b.nbytes for la in view.layers for b in la.buckets) == off.stats.bytes_offloaded
+    assert all(b.on_host and not b.poisoned for la in view.layers for b in la.buckets)
+    assert view.awaiting_backward == 3 and view.storages_placed > 0
+    h.sum().backward()
+    assert off.last_step.awaiting_backward == 0
+    state = off.last_step.auto_state
+    assert state is not None and state.state_size["families"] == len(state.families)
+    # a snapshot: its dict is a copy
+    state.state_size["families"] = 99
+    assert off.last_step.auto_state.state_size["families"] != 99
+    off.close()
+
+
+def test_no_auto_state_without_auto() -> None:
+    layers = _layers()
+    off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
+    _forward(layers, off).sum().backward()
+    assert off.last_step.auto_state is None
+    off.close()

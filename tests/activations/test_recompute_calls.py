@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import offload
+from offload._core import _runtime
 from offload._core._device import SyncBackend
 from tests import models
 from tests.models import assert_same, check_released, step, twin
@@ -141,14 +142,14 @@ class _SlowLink(SyncBackend):
 
 @pytest.mark.parametrize("selection", ["all", 3, "auto"])
 def test_offloaded_calls_hold_at_most_the_release_rules_bound_with_a_slow_link(
-    selection,
+    selection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Note [release order], 3: with k of L calls offloaded, at most L - k calls hold
     # their saves on the device at the end of any call, however far the link lags
     layers, ref = _layers()
-    off = offload.ActivationOffloader(layers, offload_layers=selection, min_tensor_bytes=0)
     link = _SlowLink(torch.device("cpu"))
-    off._runtime._backends[torch.device("cpu")] = link
+    monkeypatch.setattr(_runtime, "backend_for", lambda d, _stream=None: link)
+    off = offload.ActivationOffloader(layers, offload_layers=selection, min_tensor_bytes=0)
     k = L - 1 if selection in ("all", "auto") else selection
     live: list[int] = []
 

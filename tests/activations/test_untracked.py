@@ -75,7 +75,7 @@ def test_offload_layers_zero_hooks_only_the_first_layer() -> None:
         assert [la.index for la in stats.layers] == list(range(L))
         assert not any(la.offloaded for la in stats.layers)
         assert stats.bytes_offloaded == 0
-    assert off._step is None
+    assert not off.last_step.in_progress
     assert _TOP is None or _TOP(False) is None  # our saved-tensor hooks are off
     off.close()
 
@@ -121,7 +121,7 @@ def test_attached_hooks_stay_on_every_layer_and_the_calls_are_listed() -> None:
                 assert torch.equal(g, p.grad)
             ref.zero_grad(set_to_none=True)
             assert len(off.stats.layers) == L
-            assert off._calls == list(layers)
+            assert list(off.last_step.calls) == list(layers)
     assert not any(_hooked(layers))
     off.close()
 

@@ -155,8 +155,9 @@ def test_auto_replans_when_the_size_changes() -> None:
         assert_same(step(layers, x, models.run_plain, off), step(ref, x, models.run_plain))
         seen[seq] = off.stats.auto["chosen"] if "chosen" in off.stats.auto else None
     assert seen[16] == [] and seen[128] == [0, 1, 2], seen
-    assert len(off._auto.families) == 1  # one kind of input, two sizes
-    assert {p.tokens for p in next(iter(off._auto.families.values())).model.points} == {32, 256}
+    families = off.last_step.auto_state.families
+    assert len(families) == 1  # one kind of input, two sizes
+    assert set(families[0].measured_tokens) == {32, 256}
 
 
 def test_launch_bound_layers_count_the_hosts_extra_work() -> None:

@@ -159,7 +159,7 @@ def test_new_length_every_step_keeps_offloading_within_three_percent() -> None:
             (i, seq, auto["step"], len(auto["offloaded"]), sent, round(ratio, 3), round(noise, 3),
              round(floor, 3), len(auto.get("chosen") or []))
         )  # fmt: skip
-        state = off._auto.state_size()
+        state = off.last_step.auto_state.state_size
         assert all(state[k] <= bounds[k] for k in bounds), (i, state)
     print(*rows, sep="\n")
     later = rows[1:]
@@ -169,6 +169,6 @@ def test_new_length_every_step_keeps_offloading_within_three_percent() -> None:
     assert all(r[4] > 0 for r in later if r[2] != "none" and r[7] <= 1.03), rows
     assert statistics.median(r[5] for r in later) <= 1.03, rows
     assert all(r[5] <= 1.03 + r[6] for r in later), rows
-    assert len(off._auto.families) == 1
+    assert len(off.last_step.auto_state.families) == 1
     off.close()
     one.close()
