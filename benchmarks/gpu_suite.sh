@@ -83,7 +83,7 @@ for part in $parts; do
              STEPS=6 long_context 250 90 1 "llama-8b-lora 16384 hf-ckpt,ours-ckpt-head,ours-ckpt-head-liger,unsloth-zoo"
              STEPS=4 long_context 300 100 1 \
                  "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo" ;;
-    longctx2) STEPS=6 long_context 250 80 1 "llama-1b 16384 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan"
+    longctx2) STEPS=4 long_context 400 150 1 "llama-1b 16384 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan"
              long_context 200 100 1 "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" ;;
     longctxpeers) long_context 280 120 1 \
                  "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \

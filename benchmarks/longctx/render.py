@@ -59,23 +59,43 @@ def _load(name: str) -> dict[str, Any] | None:
 def _label(
     method: str, row: dict[str, Any] | None = None, doc: dict[str, Any] | None = None
 ) -> str:
-    """The method's name; ``(a)`` after it where ``row`` was measured in another call
-    than the results file's main one (:func:`_apart`)."""
-    apart = row is not None and doc is not None and _apart(row, doc)
-    return LABELS.get(method, method) + (" (a)" if apart else "")
+    """The method's name; ``(a)``, ``(b)``... after it where ``row`` was measured on
+    another machine than the results file's main command (:func:`_mark`)."""
+    mark = _mark(row, doc) if row is not None and doc is not None else ""
+    return LABELS.get(method, method) + mark
 
 
-def _apart(row: dict[str, Any], doc: dict[str, Any]) -> bool:
-    """Whether ``row`` came from another device call than the file's command."""
-    main = " ".join(doc.get("command", []))
-    return bool(row.get("measured_with")) and row["measured_with"] != main
+def _main_commands(doc: dict[str, Any]) -> set[str]:
+    """The file's command and ``same_machine`` (commands run right after it on the
+    machine it held): rows measured with one of these compare with each other."""
+    return {" ".join(doc.get("command", [])), *doc.get("same_machine", [])}
+
+
+def _others(doc: dict[str, Any]) -> list[str]:
+    """The other calls' ``measured_with``, in the order their rows appear."""
+    main = _main_commands(doc)
+    found = (r.get("measured_with") for r in doc["rows"] if r.get("status") != "skipped")
+    return list(dict.fromkeys(m for m in found if m and m not in main))
+
+
+def _mark(row: dict[str, Any], doc: dict[str, Any]) -> str:
+    """`` (a)`` for the first other call's rows, `` (b)`` for the second's...; ``""``
+    for rows of the main machine."""
+    others = _others(doc)
+    where = row.get("measured_with")
+    return f" ({chr(ord('a') + others.index(where))})" if where in others else ""
+
+
+#: The note under a table for a mark whose call the results file does not describe
+#: (``apart_notes``: per ``measured_with``, what else differs, such as the tree it ran).
+APART_NOTE = ("measured in a separate call, on another machine of the same kind: its step "
+              "times compare exactly with the other rows of its mark only.")  # fmt: skip
 
 
 def _apart_note(doc: dict[str, Any]) -> list[str]:
-    if not any(_apart(r, doc) for r in doc["rows"]):
-        return []
-    return ["", "(a) measured in a separate call, on another machine of the same kind: "
-            "its step times compare exactly with the other (a) rows only."]  # fmt: skip
+    notes = doc.get("apart_notes", {})
+    return ["", *(f"({chr(ord('a') + i)}) {notes.get(m, APART_NOTE)}"
+                  for i, m in enumerate(_others(doc)))] if _others(doc) else []  # fmt: skip
 
 
 def _cell(row: dict[str, Any] | None, key: str, spec: str) -> str:
@@ -152,7 +172,7 @@ def headline(doc: dict[str, Any]) -> str:
             cells = [_label(method)]
             for s in seqs:
                 row = at.get(s)
-                mark = " (a)" if row is not None and _apart(row, doc) else ""
+                mark = _mark(row, doc) if row is not None else ""
                 cells += [_cell(row, "tokens_per_s", ".0f") + mark,
                           _cell(row, "activation_peak_gib", ".1f")]  # fmt: skip
             cells.append(_longest_cell(longest[(model, method)]))

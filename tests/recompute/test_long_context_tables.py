@@ -78,5 +78,31 @@ def test_rows_of_another_call_are_marked(render) -> None:
     head = render.headline(doc)
     assert "| no offloading | 16384 | 3.0 | 16,384+ |" in head
     assert "| 8192 (a) | 3.0 | 16,384+ |" in head
-    assert "(a) measured in a separate call" in head
+    assert "(a) measured in a separate call" in head and "(b)" not in head
     assert "| unsloth_zoo offloaded checkpointing + fused loss (a) |" in render.full(doc)
+
+
+def test_each_other_call_has_its_mark_and_note(render) -> None:
+    """Rows of ``same_machine`` commands are unmarked; each other call's rows get their own
+    letter, with the file's note for it where it has one."""
+    ok = {"status": "ok", "step_ms": 1000.0, "activation_peak_gib": 3.0, "host_peak_gib": 9.0}
+    doc = {
+        "command": ["benchmarks/gpu_suite.sh", "longctx"],
+        "same_machine": ["bench_long_context.py --models llama-1b --steps 4"],
+        "apart_notes": {"call two": "measured with an older tree."},
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "rows": [
+            {"model": "llama-1b", "method": "none", "seq": 16384, "tokens_per_s": 16384.0,
+             "measured_with": "bench_long_context.py --models llama-1b --steps 4", **ok},
+            {"model": "llama-1b", "method": "hf-ckpt", "seq": 16384, "tokens_per_s": 9000.0,
+             "measured_with": "call one", **ok},
+            {"model": "llama-1b", "method": "unsloth-zoo", "seq": 16384, "tokens_per_s": 8192.0,
+             "measured_with": "call two", **ok},
+        ],
+    }  # fmt: skip
+    body = render.full(doc)
+    assert "| llama-1b | 16384 | no offloading | 1000 |" in body
+    assert "| HF checkpointing (a) |" in body
+    assert "| unsloth_zoo offloaded checkpointing + fused loss (b) |" in body
+    assert "(a) measured in a separate call" in body
+    assert "(b) measured with an older tree." in body
