@@ -36,7 +36,7 @@ LABELS = {
     "ours-ckpt": "**`offload_checkpointing`**",
     "ours-ckpt-head": "**`offload_checkpointing` + `sliced_head_loss`**",
     "ours-ckpt-head-tile": "**`offload_checkpointing` + `sliced_head_loss` + `tile_mlp`**",
-    "ours-ckpt-head-liger": "**`offload_checkpointing` + `sliced_head_loss(backend=\"liger\")`**",
+    "ours-ckpt-head-liger": '**`offload_checkpointing` + `sliced_head_loss(backend="liger")`**',
     "ours-plan": "**`offload.plan`**",
     "trl-offload": "TRL activation offloading",
     "trl-offload-ckpt": "TRL activation offloading + HF checkpointing",
