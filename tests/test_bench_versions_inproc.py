@@ -44,11 +44,12 @@ def test_smoke_run_with_this_checkout_as_both_trees(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
-    assert set(data["models"]) == {"hooks", "tiny48"}
+    assert set(data["models"]) == {"hooks", "tiny48", "ref8l"}
     hooks = data["models"]["hooks"]["configs"]["all"]
     assert set(hooks["old"]) == {"step_ms", "step_ms_median", "ratio", "us_per_saved"}
     tiny = data["models"]["tiny48"]["configs"]
     assert set(tiny) == {"k0", "k5"}
+    assert set(data["models"]["ref8l"]["configs"]) == {"auto", "k1", "k2", "k3", "k4", "checkpoint"}
     for model in data["models"].values():
         assert len(model["none_ms"]) == 3
         for row in model["configs"].values():

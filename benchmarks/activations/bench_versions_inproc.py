@@ -1,8 +1,8 @@
 """Two source trees of ``offload`` in one process, steps alternating: old against new.
 
-Command (one H200; about two minutes with the defaults)::
+Command (one H100: hooks and tiny48 take about two minutes, ref8l about as long again)::
 
-    mkdir -p .old && git archive 6a4478f offload | tar -x -C .old
+    mkdir -p .old && git archive <old commit> offload | tar -x -C .old
     PYTHONPATH=. python3 benchmarks/activations/bench_versions_inproc.py --old .old \\
         --out benchmarks/results/versions_inproc.json
 
@@ -40,6 +40,13 @@ Models (``--models``):
   47, the default ``min_tensor_bytes``);
   a fresh bf16 input that does not require grad, loss mean of squares in fp32, gradients
   set to ``None`` first.
+* ``ref8l``: the same model at ``bench_activations.py``'s ref-8L sizes (8 layers,
+  hidden 4096, ffn 14336, seq 4096, bf16; ``--quick``: its quick sizes and
+  ``min_tensor_bytes=0``); configurations ``auto``, ``k1``, ``k2``, ``k4``, ``k7`` and
+  ``checkpoint`` (every layer through a ``CheckpointOffloader`` of the tree, what
+  ``offload.checkpoint`` runs); input and
+  loss as tiny48's. Device bound: this is the row where a slower tree would show in
+  the step's time on the device, not on the host.
 
 A step is host wall clock of forward, loss and backward between device
 synchronisations, Python's garbage collector off (these models are host-bound: the
@@ -47,7 +54,8 @@ device waits for the host). Per configuration and tree, after ``--warmup`` round
 median step, the ratio to the median step without offloading, and ``new/old`` (of the
 medians) with ``paired``: the median over rounds of new step / old step. Every
 offloaded step is checked to offload (``stats.bytes_offloaded`` > 0 where a layer is
-selected, 0 for ``k0``).
+selected, 0 for ``k0``; ``checkpoint`` by its tree's ``checkpoint_stats``; ``auto``
+chooses for itself and is not checked).
 """
 
 from __future__ import annotations
@@ -111,21 +119,26 @@ class Model:
             self.x = torch.randn(256, device=device)
             self.saved = n * ops
             self.configs = {"all": {"offload_layers": n, "min_tensor_bytes": 0}}
-        elif name == "tiny48":
+        elif name in ("tiny48", "ref8l"):
             from benchmarks.activations.bench_activations import PRESETS, QUICK
             from offload.models import ReferenceModel
 
-            s = QUICK if quick else PRESETS["tiny48"][0]
-            n = 6 if quick else s.layers
+            s = QUICK if quick else PRESETS["tiny48" if name == "tiny48" else "ref-8L"][0]
+            n = 6 if quick and name == "tiny48" else s.layers
             model = ReferenceModel(n, s.hidden, s.heads, s.ffn, device=device, dtype=torch.bfloat16)
             self.layers = model.layers
             self.shape = (s.batch, s.seq, s.hidden)
             self.device = device
             self.saved = None
             extra = {"min_tensor_bytes": 0} if quick else {}  # quick tensors are tiny
-            self.configs = {f"k{k}": {"offload_layers": k, **extra} for k in (0, n - 1)}
+            ks: list[Any] = [0, n - 1] if name == "tiny48" else ["auto", 1, 2, 4, n - 1]
+            self.configs = {f"k{k}" if k != "auto" else "auto": {"offload_layers": k, **extra}
+                            for k in dict.fromkeys(ks)}  # fmt: skip
+            if name == "ref8l":
+                self.configs["checkpoint"] = {"checkpoint": True, **extra}
         else:
-            raise SystemExit(f"--models: {name!r} is not one of hooks, tiny48")
+            raise SystemExit(f"--models: {name!r} is not one of hooks, tiny48, ref8l")
+        self.through: Callable[..., torch.Tensor] | None = None  # a layer call's wrapper
 
     def loss(self) -> Callable[[], torch.Tensor]:
         """A closure computing one step's loss (its input made now, outside the timing)."""
@@ -138,8 +151,36 @@ class Model:
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if self.through is None else self.through(layer, x)
         return x
+
+
+class Checkpointing:
+    """The ``checkpoint`` configuration of one tree: a context that sends every layer
+    call of ``model`` through a ``CheckpointOffloader`` of the tree (what
+    ``offload.checkpoint`` runs, at ``min_tensor_bytes`` where given) while entered."""
+
+    def __init__(self, package: Any, model: Model, min_tensor_bytes: int | None) -> None:
+        kwargs = {} if min_tensor_bytes is None else {"min_tensor_bytes": min_tensor_bytes}
+        self.offloader, self.model = package.CheckpointOffloader(**kwargs), model
+
+    def __enter__(self) -> Checkpointing:
+        self.model.through = self.offloader.checkpoint
+        self.offloader.reset_stats()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.through = None
+
+    def bytes_offloaded(self) -> int:
+        return self.offloader.stats.bytes_offloaded
+
+    def close(self) -> None:
+        self.offloader.close()
+
+
+def _sent(off: Any) -> int:
+    return off.bytes_offloaded() if isinstance(off, Checkpointing) else off.stats.bytes_offloaded
 
 
 def timed_step(model: Model, off: Any, device: torch.device) -> float:
@@ -160,7 +201,11 @@ def measure(model: Model, packages: dict[str, Any], args: argparse.Namespace) ->
     offloaders: dict[tuple[str, str], Any] = {("none", ""): None}
     for config, kwargs in model.configs.items():
         for tree in TREES:
-            offloaders[(tree, config)] = packages[tree].ActivationOffloader(model.layers, **kwargs)
+            if kwargs.get("checkpoint"):
+                arm: Any = Checkpointing(packages[tree], model, kwargs.get("min_tensor_bytes"))
+            else:
+                arm = packages[tree].ActivationOffloader(model.layers, **kwargs)
+            offloaders[(tree, config)] = arm
     order = list(offloaders)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in order}
     for r in range(args.warmup + args.rounds):
@@ -169,10 +214,11 @@ def measure(model: Model, packages: dict[str, Any], args: argparse.Namespace) ->
             elapsed = timed_step(model, off, device)
             if r >= args.warmup:
                 times[key].append(elapsed)
-            if off is not None:
-                sent = off.stats.bytes_offloaded
-                selects = model.configs[key[1]]["offload_layers"] > 0
-                if (sent > 0) != selects:
+            config = model.configs.get(key[1], {})
+            if off is not None and config.get("offload_layers") != "auto":
+                sent = _sent(off)
+                selects = config.get("checkpoint") or config["offload_layers"] > 0
+                if (sent > 0) != bool(selects):
                     raise RuntimeError(f"{key}: {sent} bytes offloaded in a step")
     for off in offloaders.values():
         if off is not None:
@@ -198,7 +244,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--old", type=Path, required=True, help="a folder holding the old offload/")
     p.add_argument("--new", type=Path, default=ROOT, help="a folder holding the new offload/")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--models", default="hooks,tiny48", help="comma-separated: hooks, tiny48")
+    p.add_argument(
+        "--models", default="hooks,tiny48,ref8l", help="comma-separated: hooks, tiny48, ref8l"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--rounds", type=int, default=60, help="timed rounds (a step of each row)")
     p.add_argument("--warmup", type=int, default=10, help="rounds before the timed ones")
@@ -230,19 +278,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         models = {
             name: measure(Model(name, device, args.quick), packages, args) for name in args.models
         }
-    print(f"{'model':7s} {'config':6s} {'none ms':>8s} {'old ms':>8s} {'new ms':>8s} "
+    print(f"{'model':7s} {'config':10s} {'none ms':>8s} {'old ms':>8s} {'new ms':>8s} "
           f"{'old x':>6s} {'new x':>6s} {'new/old':>7s} {'paired':>6s}")  # fmt: skip
     for name, m in models.items():
         for config, row in m["configs"].items():
             o, n = row["old"], row["new"]
             print(
-                f"{name:7s} {config:6s} {m['none_ms_median']:8.2f} {o['step_ms_median']:8.2f} "
+                f"{name:7s} {config:10s} {m['none_ms_median']:8.2f} {o['step_ms_median']:8.2f} "
                 f"{n['step_ms_median']:8.2f} {o['ratio']:6.3f} {n['ratio']:6.3f} "
                 f"{row['new_over_old']:7.3f} {row['paired']:6.3f}"
             )
             if "us_per_saved" in o:
                 print(
-                    f"{'':15s} us per saved tensor: old {o['us_per_saved']:.2f}, new {n['us_per_saved']:.2f}"
+                    f"{'':19s} us per saved tensor: old {o['us_per_saved']:.2f}, new {n['us_per_saved']:.2f}"
                 )
     if args.out is not None:
         write_json(
