@@ -292,6 +292,11 @@ def import_peer(method: str) -> dict[str, Any]:
 
             facts["loaded_as"] = "import unsloth; import unsloth_zoo"
         import unsloth_zoo  # noqa: F401
+    elif package == "liger_kernel":
+        # what sliced_head_loss(backend="liger") imports
+        import liger_kernel.transformers.fused_linear_cross_entropy  # noqa: F401
+
+        facts["loaded_as"] = "import liger_kernel.transformers.fused_linear_cross_entropy"
     else:
         raise NotImplementedError(f"{method!r} is not a peer method")
     facts["peer_version"] = getattr(sys.modules[package], "__version__", None) or _version(package)
@@ -414,7 +419,7 @@ def apply_method(
         if "head" in method:
             backend = "liger" if method.endswith("-liger") else "torch"
             if backend == "liger":
-                info.update(peer="liger-kernel", peer_version=_version("liger-kernel"))
+                info.update(import_peer(method))
             offload.sliced_head_loss(model, backend=backend)
         if "tile" in method:
             offload.tile_mlp(causal, tile_tokens=16 if quick else "auto")
