@@ -205,6 +205,12 @@ class _SlicedLinearCrossEntropy(torch.autograd.Function):
         return scaled(grad_x), scaled(grad_w), scaled(grad_b), None, None, None, None, None, None
 
 
+@functools.cache
+def _takes_accum_dtype(loss_class: type) -> bool:
+    """Whether Liger's loss class takes ``accum_dtype`` (read once, not every step)."""
+    return "accum_dtype" in inspect.signature(loss_class).parameters
+
+
 def _liger_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -226,7 +232,7 @@ def _liger_loss(
     kwargs: dict[str, Any] = {"ignore_index": ignore_index, "reduction": "sum"}
     if softcap is not None:
         kwargs["softcap"] = softcap
-    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
+    if _takes_accum_dtype(LigerFusedLinearCrossEntropyLoss):
         # Its default sums the head's weight gradient over its chunks in the weight's
         # dtype (bf16: rounded once per chunk, 2.5 % of the largest gradient off on the
         # CUDA test's head); fp32, as the torch backend and the plain head's one matmul.
