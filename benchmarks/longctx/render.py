@@ -78,12 +78,16 @@ def _others(doc: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(m for m in found if m and m not in main))
 
 
+def _letter(index: int) -> str:
+    return f"({chr(ord('a') + index)})"
+
+
 def _mark(row: dict[str, Any], doc: dict[str, Any]) -> str:
     """`` (a)`` for the first other call's rows, `` (b)`` for the second's...; ``""``
     for rows of the main machine."""
     others = _others(doc)
     where = row.get("measured_with")
-    return f" ({chr(ord('a') + others.index(where))})" if where in others else ""
+    return f" {_letter(others.index(where))}" if where in others else ""
 
 
 #: The note under a table for a mark whose call the results file does not describe
@@ -93,9 +97,10 @@ APART_NOTE = ("measured in a separate call, on another machine of the same kind:
 
 
 def _apart_note(doc: dict[str, Any]) -> list[str]:
-    notes = doc.get("apart_notes", {})
-    return ["", *(f"({chr(ord('a') + i)}) {notes.get(m, APART_NOTE)}"
-                  for i, m in enumerate(_others(doc)))] if _others(doc) else []  # fmt: skip
+    others, notes = _others(doc), doc.get("apart_notes", {})
+    if not others:
+        return []
+    return ["", *(f"{_letter(i)} {notes.get(m, APART_NOTE)}" for i, m in enumerate(others))]
 
 
 def _cell(row: dict[str, Any] | None, key: str, spec: str) -> str:

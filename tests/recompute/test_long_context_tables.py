@@ -63,18 +63,24 @@ def test_tables_name_the_card_and_every_outcome(render) -> None:
     assert "| llama-8b-lora | 32768 | HF checkpointing | OOM |" in body
 
 
+def _doc(*rows: dict, **extra) -> dict:
+    """A results file of ``gpu_suite.sh longctx`` on an H100 holding ``rows``."""
+    return {"command": ["benchmarks/gpu_suite.sh", "longctx"],
+            "environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": list(rows), **extra}  # fmt: skip
+
+
+def _row(method: str, tokens_per_s: float, measured_with: str) -> dict:
+    """A Llama ~1.1B row at 16k tokens that trained, measured with ``measured_with``."""
+    return {"model": "llama-1b", "method": method, "seq": 16384, "tokens_per_s": tokens_per_s,
+            "measured_with": measured_with, "status": "ok", "step_ms": 1000.0,
+            "activation_peak_gib": 3.0, "host_peak_gib": 9.0}  # fmt: skip
+
+
 def test_rows_of_another_call_are_marked(render) -> None:
-    ok = {"status": "ok", "step_ms": 1000.0, "activation_peak_gib": 3.0, "host_peak_gib": 9.0}
-    doc = {
-        "command": ["benchmarks/gpu_suite.sh", "longctx"],
-        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
-        "rows": [
-            {"model": "llama-1b", "method": "none", "seq": 16384, "tokens_per_s": 16384.0,
-             "measured_with": "benchmarks/gpu_suite.sh longctx", **ok},
-            {"model": "llama-1b", "method": "unsloth-zoo", "seq": 16384, "tokens_per_s": 8192.0,
-             "measured_with": "bench_long_context.py --models llama-1b", **ok},
-        ],
-    }  # fmt: skip
+    doc = _doc(
+        _row("none", 16384.0, "benchmarks/gpu_suite.sh longctx"),
+        _row("unsloth-zoo", 8192.0, "bench_long_context.py --models llama-1b"),
+    )
     head = render.headline(doc)
     assert "| no offloading | 16384 | 3.0 | 16,384+ |" in head
     assert "| 8192 (a) | 3.0 | 16,384+ |" in head
@@ -85,21 +91,14 @@ def test_rows_of_another_call_are_marked(render) -> None:
 def test_each_other_call_has_its_mark_and_note(render) -> None:
     """Rows of ``same_machine`` commands are unmarked; each other call's rows get their own
     letter, with the file's note for it where it has one."""
-    ok = {"status": "ok", "step_ms": 1000.0, "activation_peak_gib": 3.0, "host_peak_gib": 9.0}
-    doc = {
-        "command": ["benchmarks/gpu_suite.sh", "longctx"],
-        "same_machine": ["bench_long_context.py --models llama-1b --steps 4"],
-        "apart_notes": {"call two": "measured with an older tree."},
-        "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
-        "rows": [
-            {"model": "llama-1b", "method": "none", "seq": 16384, "tokens_per_s": 16384.0,
-             "measured_with": "bench_long_context.py --models llama-1b --steps 4", **ok},
-            {"model": "llama-1b", "method": "hf-ckpt", "seq": 16384, "tokens_per_s": 9000.0,
-             "measured_with": "call one", **ok},
-            {"model": "llama-1b", "method": "unsloth-zoo", "seq": 16384, "tokens_per_s": 8192.0,
-             "measured_with": "call two", **ok},
-        ],
-    }  # fmt: skip
+    same = "bench_long_context.py --models llama-1b --steps 4"
+    doc = _doc(
+        _row("none", 16384.0, same),
+        _row("hf-ckpt", 9000.0, "call one"),
+        _row("unsloth-zoo", 8192.0, "call two"),
+        same_machine=[same],
+        apart_notes={"call two": "measured with an older tree."},
+    )
     body = render.full(doc)
     assert "| llama-1b | 16384 | no offloading | 1000 |" in body
     assert "| HF checkpointing (a) |" in body
