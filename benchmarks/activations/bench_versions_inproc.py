@@ -54,7 +54,7 @@ device waits for the host). Per configuration and tree, after ``--warmup`` round
 median step, the ratio to the median step without offloading, and ``new/old`` (of the
 medians) with ``paired``: the median over rounds of new step / old step. Every
 offloaded step is checked to offload (``stats.bytes_offloaded`` > 0 where a layer is
-selected, 0 for ``k0``; ``checkpoint`` by its tree's ``checkpoint_stats``; ``auto``
+selected, 0 for ``k0``; ``checkpoint`` by its ``CheckpointOffloader``'s stats; ``auto``
 chooses for itself and is not checked).
 """
 
@@ -172,15 +172,13 @@ class Checkpointing:
     def __exit__(self, *exc: Any) -> None:
         self.model.through = None
 
-    def bytes_offloaded(self) -> int:
-        return self.offloader.stats.bytes_offloaded
+    @property
+    def stats(self) -> Any:
+        """The checkpoint offloader's counters (``bytes_offloaded`` as an offloader's)."""
+        return self.offloader.stats
 
     def close(self) -> None:
         self.offloader.close()
-
-
-def _sent(off: Any) -> int:
-    return off.bytes_offloaded() if isinstance(off, Checkpointing) else off.stats.bytes_offloaded
 
 
 def timed_step(model: Model, off: Any, device: torch.device) -> float:
@@ -216,7 +214,7 @@ def measure(model: Model, packages: dict[str, Any], args: argparse.Namespace) ->
                 times[key].append(elapsed)
             config = model.configs.get(key[1], {})
             if off is not None and config.get("offload_layers") != "auto":
-                sent = _sent(off)
+                sent = off.stats.bytes_offloaded
                 selects = config.get("checkpoint") or config["offload_layers"] > 0
                 if (sent > 0) != bool(selects):
                     raise RuntimeError(f"{key}: {sent} bytes offloaded in a step")
