@@ -85,12 +85,12 @@ for part in $parts; do
                  "llama-8b-lora 32768 hf-ckpt,ours-ckpt-head,ours-ckpt-head-tile,unsloth-zoo" ;;
     longctx2) STEPS=4 long_context 400 150 1 "llama-1b 16384 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan"
              long_context 200 100 1 "llama-8b-lora 65536 ours-ckpt-head-tile,unsloth-zoo" ;;
-    longctxpeers) long_context 280 120 1 \
-                 "llama-8b-lora 16384 deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
+    longctxpeers) long_context 330 110 1 \
+                 "llama-8b-lora 16384 hf-ckpt,deepspeed-ckpt-offload,deepspeed-ckpt-offload-tiled,trl-offload-ckpt,hf-ckpt-offload" \
                  "llama-8b-lora 32768 ours-ckpt-head,deepspeed-ckpt-offload-tiled,trl-offload-ckpt" \
                  "llama-1b 16384 hf-ckpt,ours-default,ours-ckpt,trl-offload,trl-offload-ckpt,deepspeed-ckpt-offload" \
                  "llama-1b 32768 none,hf-ckpt,ours-ckpt-head,unsloth-zoo,ours-plan" ;;
-    longctxlong) long_context 560 280 0 \
+    longctxlong) long_context 580 230 1 \
                  "llama-8b-lora 131072 ours-ckpt-head-tile,unsloth-zoo,deepspeed-ckpt-offload-tiled" ;;
     ref8l) timeout 300 python3 $B/activations/bench_activations.py --compress-ks 4,7 \
              --out "$OUT/activations_ref8l.json" 2>&1 | tail -16 ;;
