@@ -38,6 +38,7 @@ from offload.activations._auto import _family as _auto_family
 from offload.activations._auto import _fit as _auto_fit
 from offload.activations._auto import _policy as _auto_policy
 from offload.activations._auto import _probe as _auto_probe
+from offload.activations._control import Internals
 
 TIMED: list[tuple[Any, list[str]]] = [
     (_auto_policy.AutoPolicy, ["prepare", "_collect", "_measured", "_decide"]),
@@ -51,7 +52,7 @@ TIMED: list[tuple[Any, list[str]]] = [
 
 
 def _pool_bytes(off: Any) -> int:
-    pool = off._runtime._pool
+    pool = Internals(off).runtime.pool_if_made
     return 0 if pool is None else pool.reserved_bytes
 
 
@@ -59,7 +60,7 @@ def run(model: Any, args: argparse.Namespace) -> list[dict]:
     layers = offload.find_layers(model)
     auto = offload.ActivationOffloader(layers)  # the default: "auto"
     if args.device != "cuda":
-        auto._auto.measure_on_cpu = True  # the host clock, no memory gauge
+        Internals(auto).use_meter(_auto_probe.Meter())  # the host clock, no memory gauge
     one = offload.ActivationOffloader(layers, offload_layers=1)
     vocab = model.config.vocab_size
     rng = random.Random(args.seed)
@@ -106,7 +107,7 @@ def run(model: Any, args: argparse.Namespace) -> list[dict]:
                         "predicted_ratio": stats.get("predicted_ratio"),
                         "pool_added_bytes": grew,
                         "host_ms": host,
-                        "state": auto._auto.state_size(),
+                        "state": auto.last_step.auto_state.state_size,
                     }
                 )
         finally:

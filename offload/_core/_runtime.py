@@ -100,6 +100,12 @@ class Runtime:
         )
         return self._pool
 
+    @property
+    def pool_if_made(self) -> HostPool | None:
+        """The host pool, or ``None`` where nothing has needed one yet (reading
+        :attr:`pool` would make it)."""
+        return self._pool
+
     def backend(self, device: torch.device) -> Backend:
         b = self._backends.get(device)
         if b is None:

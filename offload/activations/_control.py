@@ -1,6 +1,7 @@
 """The control of an :class:`~offload.ActivationOffloader` that the tools measuring it use
-(``offload.profile_step``, the planner): every access to its private state from outside
-this package goes through here, so that a rename needs one change."""
+(``offload.profile_step``, the planner, the TransformerEngine API) and the white-box
+tests: every access to its private state from outside ``offload.activations`` goes
+through here, so a rename needs one change."""
 
 from __future__ import annotations
 
@@ -11,25 +12,37 @@ from typing import Any
 
 import torch
 
-__all__ = ["Internals", "current_pack"]
+__all__ = ["Internals", "current_pack", "running_step"]
+
+
+def running_step(offloader: Any) -> Any:
+    """The step object of the forward ``offloader`` is running now, or ``None``."""
+    return offloader._step
 
 
 def current_pack(offloader: Any) -> Callable[[torch.Tensor], Any] | None:
     """The pack hook of the forward ``offloader`` is running now, or ``None`` outside
     one: the planner's selective levers hand it the outputs they keep."""
-    step = offloader._step
+    step = running_step(offloader)
     return None if step is None else step.pack
 
 
 class Internals:
-    """The profiler's view of an offloader's private state.
+    """The measuring tools' and white-box tests' access to an offloader's private state
+    (users read :attr:`~offload.ActivationOffloader.last_step` and ``stats`` instead).
 
     * :attr:`layers`: the registered layer modules, in order;
     * :meth:`timing_on`: the offloader's own settings plus ``timing=True`` for the
       steps made meanwhile (see its docstring);
     * :meth:`disabled`: ``with offloader:`` does nothing at all meanwhile;
+      :attr:`is_disabled`: whether that is so now;
     * :meth:`last_step` and :meth:`copy_records`: the most recent forward and its
-      timing records.
+      timing records; :meth:`current_step`, :meth:`next_step` and
+      :meth:`unfinished_steps`: the forward running, the one prepared for the next
+      forward, the forwards whose backward has not ended (compared by identity);
+    * :attr:`runtime`: the device side (streams, host pool, graph-bound blocks);
+    * :attr:`auto_policy` and :meth:`use_meter`: the ``"auto"`` policy, and how it
+      measures (the host clock on a CPU, a scripted meter in tests).
     """
 
     def __init__(self, offloader: Any) -> None:
@@ -77,9 +90,57 @@ class Internals:
         finally:
             off._disabled, off._disabled_entries = old
 
+    @property
+    def is_disabled(self) -> bool:
+        """Whether :meth:`disabled` is in force."""
+        return bool(self.off._disabled)
+
     def last_step(self) -> Any:
         """The object of the most recent forward (compared by identity only)."""
         return self.off._last
+
+    def current_step(self) -> Any:
+        """The object of the forward running now, or ``None``."""
+        return running_step(self.off)
+
+    def next_step(self) -> Any:
+        """The object prepared at the end of a forward for the next one, or ``None``."""
+        return self.off._next
+
+    def unfinished_steps(self) -> list[Any]:
+        """The forwards whose backward has not ended, oldest first."""
+        return list(self.off._unfinished)
+
+    @property
+    def runtime(self) -> Any:
+        """The offloader's :class:`~offload._core._runtime.Runtime`."""
+        return self.off._runtime
+
+    @property
+    def auto_policy(self) -> Any:
+        """The :class:`~offload.activations._auto._policy.AutoPolicy` of an ``"auto"``
+        offloader.
+
+        Raises:
+            ValueError: the offloader's ``offload_layers`` is not ``"auto"``.
+        """
+        policy = self.off._auto
+        if policy is None:
+            raise ValueError(
+                f"the offloader has no auto policy: offload_layers="
+                f"{self.off.config.offload_layers!r}, not 'auto'"
+            )
+        return policy
+
+    def use_meter(self, meter: Any) -> None:
+        """Have the ``"auto"`` policy measure with ``meter`` (a
+        :class:`~offload.activations._auto._probe.Meter`) instead of the device's own:
+        ``Meter()`` times the CPU path with the host clock; tests script one.
+
+        Raises:
+            ValueError: the offloader is not ``"auto"``.
+        """
+        self.auto_policy.meter = meter
 
     def copy_records(self) -> list[tuple[int, tuple[Any, ...]]]:
         """``[(group index, record), ...]`` of the most recent forward, each record

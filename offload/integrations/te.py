@@ -13,6 +13,7 @@ import torch
 from offload._core import _context, _packing
 from offload._core._warn import warn_at_caller
 from offload.activations import ActivationOffloader
+from offload.activations._control import running_step
 from offload.activations._manual import ManualOffloadSynchronizer, _ManualContext
 from offload.config import OffloadConfig
 
@@ -336,7 +337,7 @@ def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
     owner = _context.owner()
     step = None
     if isinstance(owner, ActivationOffloader):
-        step = owner._step
+        step = running_step(owner)
     elif isinstance(owner, _ManualContext):
         step = owner.step
     if step is None or not flat:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offload
+from offload.activations._control import Internals
 from offload.activations._step import Step
 from tests import models
 from tests.models import assert_same, step, twin
@@ -189,9 +190,11 @@ def test_nested_manual_context_raises_and_restores_hooks() -> None:
 
 
 def _pattern(off: offload.ActivationOffloader) -> list[list[int]]:
-    steps = [*off._unfinished]
-    if off._last is not None and off._last not in steps:
-        steps.append(off._last)
+    inner = Internals(off)
+    steps = inner.unfinished_steps()
+    last = inner.last_step()
+    if last is not None and last not in steps:
+        steps.append(last)
     return [[int(g.offload) for g in s.groups] for s in steps]
 
 

@@ -14,6 +14,7 @@ from torch import nn
 import offload
 from offload._core import _runtime
 from offload._core._device import SyncBackend
+from offload.activations._control import Internals
 from offload.activations._handles import Kept, Offloaded, Pending
 from offload.activations._step import LATE_CALLS, Step
 from tests import models
@@ -181,20 +182,20 @@ def test_deferred_handles_wrap_the_saved_tensor_until_the_close(
 def test_next_step_is_prepared_when_a_forward_ends() -> None:
     layers = _layers()
     off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
-    assert off._next is None
+    assert Internals(off).next_step() is None
     with off:
         models.run_plain(layers, torch.randn(16, 32)).sum().backward()
-    prepared = off._next
+    prepared = Internals(off).next_step()
     assert prepared is not None and not prepared.groups
     with off:
-        assert off._step is prepared and off._next is None
+        assert Internals(off).current_step() is prepared and Internals(off).next_step() is None
         models.run_plain(layers, torch.randn(16, 32)).sum().backward()
     with pytest.raises(ValueError):
         with off:
             raise ValueError("a failed forward prepares nothing")
-    assert off._next is None
+    assert Internals(off).next_step() is None
     off.close()
-    assert off._next is None
+    assert Internals(off).next_step() is None
 
 
 def test_attached_layers_keep_their_hooks_between_forwards() -> None:

@@ -12,6 +12,7 @@ from torch import nn
 import offload
 from offload._core import _runtime, _transfer
 from offload.activations import _saves
+from offload.activations._control import Internals
 from offload.activations._handles import Gathered, Pending
 from offload.activations._saves import _Bucket
 from tests import models
@@ -280,7 +281,7 @@ def test_a_reloaded_bucket_is_never_seen_waited_for_before_its_wait(
         def h2d(pairs, waits, stream, times=None):
             # the buckets' device buffers, by identity, in the middle of their reload:
             # the step's own objects (a view is a snapshot, taken under the lock)
-            buckets = off._last.all_buckets
+            buckets = Internals(off).last_step().all_buckets
             for _src, dst, _codec in pairs:
                 for b in buckets:
                     if b.buffer is dst:

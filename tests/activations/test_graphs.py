@@ -12,6 +12,8 @@ from torch import nn
 import offload
 from offload._core import _device
 from offload.activations import _graphs
+from offload.activations._auto._probe import Meter
+from offload.activations._control import Internals
 from tests import models
 from tests.models import twin
 
@@ -60,7 +62,7 @@ def test_whole_step_capture_binds_host_blocks(capturing: list[bool]) -> None:
     stats = off.stats
     assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
     assert off.last_step.capture == "step"
-    rt = off._runtime
+    rt = Internals(off).runtime
     # every block the captured step wrote stays bound to the graph after its backward
     bound = sum(b.nbytes for b in rt.graph_blocks)
     assert bound >= stats.bytes_offloaded
@@ -85,7 +87,7 @@ def test_captured_step_never_waits_for_or_sets_the_fence(capturing: list[bool]) 
     off = offload.ActivationOffloader(layers, offload_layers="all", min_tensor_bytes=0)
     capturing[0] = False
     _step(layers, x, off)
-    rt = off._runtime
+    rt = Internals(off).runtime
     seen: list[object] = []
     backend = rt.backend(torch.device("cpu"))
     original = backend.d2h
@@ -144,7 +146,7 @@ def test_settings_a_capture_cannot_honour(
 def test_auto_probe_in_capture_is_refused(capturing: list[bool]) -> None:
     layers, x = _model(2)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)  # "auto"
-    off._auto.measure_on_cpu = True  # type: ignore[union-attr]
+    Internals(off).use_meter(Meter())  # the host clock
     with pytest.raises(RuntimeError, match="run two eager steps"):
         with off:
             layers[0](x)
@@ -160,7 +162,7 @@ def test_auto_decided_before_a_capture_runs_its_choice_unmeasured(capturing: lis
     layers, x = _model(4)
     meter = FakeMeter(lambda n: [LayerCost(10e-3, 20e-3, 0)] * 4, 1e10)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)  # "auto"
-    off._auto.meter = meter  # type: ignore[union-attr]
+    Internals(off).use_meter(meter)
     capturing[0] = False
     for _ in range(2):
         _step(layers, x, off)
@@ -250,7 +252,7 @@ def test_layer_capture_warm_up_calls_keep_everything(capturing: list[bool]) -> N
     with _graphs._LayerCapture(off) as capture:
         layers[1](layers[0](x)).sum().backward()
     assert capture.steps == []
-    assert off._runtime._pool is None  # nothing was copied
+    assert Internals(off).runtime.pool_if_made is None  # nothing was copied
 
 
 def test_make_graphed_callables_argument_errors() -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 import offload
 from offload.activations._auto._predict import LayerCost
+from offload.activations._control import Internals
 from tests import models
 from tests.auto_fake import AUTO, FakeMemory, FakeMeter, one_thread  # noqa: F401
 from tests.models import assert_same, step, twin
@@ -173,7 +174,7 @@ def test_auto_choosing_no_layer_runs_untracked_and_offloads_again_when_memory_ne
     costs = [LayerCost(0.5e-3, 1e-3, 0)] * L
     meter = FakeMeter(lambda n: costs, freed[0] / 1.0, memory=memory)  # 1 s a layer
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
-    off._auto.meter = meter
+    Internals(off).use_meter(meter)
     runs = []
     for _ in range(12):
         hooked = _run(layers, ref, off)

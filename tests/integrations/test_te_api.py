@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import offload
 from offload._core._device import SyncBackend, backend_for
 from offload._core._host_pool import HostPool
+from offload.activations._control import Internals
 from tests import models
 from tests.activations.test_tensor_kinds import FakeTEQuantized
 from tests.models import twin
@@ -516,7 +517,7 @@ def test_start_offload_issues_the_queued_copy() -> None:
     blocks = nn.ModuleList([_SaveBlock(lambda x: x.exp(), after), _SaveBlock(lambda x: x)])
     ref = twin(blocks)
     off = offload.ActivationOffloader(blocks, offload_layers=1, min_tensor_bytes=0)
-    holder["step"] = lambda: off._step
+    holder["step"] = Internals(off).current_step
     x = torch.randn(256, 256)
     got = models.step(blocks, x, models.run_plain, off)
     # x (saved by x * w), exp(x) and x * w were queued; start_offload issued them

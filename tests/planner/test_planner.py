@@ -702,6 +702,7 @@ def inject_measurements(monkeypatch, peaks: list[float]) -> None:
     configuration's steps run with 10 ms each and the next of ``peaks`` as its peak."""
     from offload.activations._auto import _policy as _auto_policy
     from offload.activations._auto import _predict as _auto
+    from offload.activations._auto._probe import Meter
 
     monkeypatch.setattr(_plan_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(_auto, "link_bandwidth", lambda device, nbytes=0: (1e9, 1e9))
@@ -709,7 +710,7 @@ def inject_measurements(monkeypatch, peaks: list[float]) -> None:
 
     def measuring_init(self):
         real_init(self)
-        self.measure_on_cpu = True
+        self.meter = Meter()  # the host clock (Internals.use_meter of every offloader)
 
     monkeypatch.setattr(_auto_policy.AutoPolicy, "__init__", measuring_init)
     left = iter(peaks)

@@ -17,6 +17,7 @@ from torch import nn
 
 import offload
 from offload import MemoryProfile, cli
+from offload.activations._control import Internals
 from offload.profiling import LayerStats, OffloadStats
 from offload.profiling._data import _example_dict
 from offload.profiling._render import largest_reason, ms_text, short_bytes
@@ -85,8 +86,9 @@ def test_baseline_runs_without_hooks_and_state_is_restored(profiled) -> None:
     # without (n), the CPU count step (1), with (n), timeline (1)
     assert seen == [False] * (n + 1) + [True] * (n + 1)
     assert type(off) is offload.ActivationOffloader
-    assert off.config.timing is False and off._runtime.config.timing is False
-    assert off._disabled is False
+    inner = Internals(off)
+    assert off.config.timing is False and inner.runtime.config.timing is False
+    assert inner.is_disabled is False
 
 
 def test_profile_fields(profiled) -> None:
@@ -221,7 +223,7 @@ def test_a_step_without_backward_is_refused() -> None:
 
     with pytest.raises(RuntimeError, match="no backward"):
         offload.profile_step(forward_only, off, steps=1, warmup=0)
-    assert off.config.timing is False and off._runtime.config.timing is False
+    assert off.config.timing is False and Internals(off).runtime.config.timing is False
     off.close()
 
 
@@ -229,7 +231,7 @@ def test_timing_ends_with_the_profile(profiled) -> None:
     """The step prepared for the next forward after the profile is made with the
     offloader's own config: timing stops with the profile."""
     _, off, _ = profiled
-    layers = off._layers
+    layers = Internals(off).layers
     with off:
         y = torch.randn(B, D)
         for layer in layers:

@@ -199,8 +199,8 @@ class AutoPolicy:
     """``offload_layers="auto"`` for one offloader (module docstring).
 
     ``meter``: how it measures (``None``: CUDA events and the caching allocator on a
-    CUDA device, nothing elsewhere); ``measure_on_cpu = True`` measures with the host
-    clock on the CPU path, and tests set a meter of their own."""
+    CUDA device, nothing elsewhere); set through ``Internals.use_meter``: ``Meter()``,
+    the host clock on the CPU path, or a test's scripted meter."""
 
     def __init__(self, settings: AutoSettings | None = None) -> None:
         if settings is not None and not isinstance(settings, AutoSettings):
@@ -211,14 +211,6 @@ class AutoPolicy:
         self.pending: collections.deque[StepRecord] = collections.deque()
         self.meter: Meter | None = None
         self._cold = True  # no step of this offloader measured yet
-
-    @property
-    def measure_on_cpu(self) -> bool:
-        return self.meter is not None
-
-    @measure_on_cpu.setter
-    def measure_on_cpu(self, value: bool) -> None:
-        self.meter = Meter() if value else None
 
     def state_size(self) -> dict[str, int]:
         """How much the policy remembers (bounded: module docstring)."""

@@ -54,7 +54,7 @@ class DeviceMemory:
 
 
 class Meter:
-    """The host clock and no memory gauge: the CPU path (``measure_on_cpu``).
+    """The host clock and no memory gauge: the CPU path (``Internals.use_meter(Meter())``).
 
     Marks are ``(device mark, host seconds)``; here the device mark is the host clock
     too. Subclasses: :class:`CudaMeter`; tests inject their own to give timings and

@@ -11,6 +11,7 @@ from torch import nn
 
 import offload
 from offload.activations._auto._predict import LayerCost, choose, predict_step
+from offload.activations._control import Internals
 from tests import models
 from tests.auto_fake import FakeMeter, one_thread  # noqa: F401  (fixture)
 from tests.models import assert_same, step, twin
@@ -107,7 +108,7 @@ def test_auto_measures_then_offloads_and_stays_bitwise_equal(fwd_ms, link_ms) ->
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
-    off._auto.meter = meter
+    Internals(off).use_meter(meter)
     x = torch.randn(2, 16, 64)
     expected = None
     for it in range(4):
@@ -148,7 +149,7 @@ def test_auto_replans_when_the_size_changes() -> None:
     layers = nn.ModuleList(models.LlamaBlock(64) for _ in range(4))
     ref = twin(layers)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)
-    off._auto.meter = meter
+    Internals(off).use_meter(meter)
     seen = {}
     for seq in (16, 16, 128, 128, 128, 16, 16, 16, 128, 16):
         x = torch.randn(2, seq, 64)

@@ -17,6 +17,7 @@ from torch import nn
 import offload
 from offload.activations._auto import _policy as _auto_policy
 from offload.activations._auto._predict import LayerCost, choose, predict_step
+from offload.activations._control import Internals
 from tests import models
 from tests.auto_fake import AUTO, FakeMemory, FakeMeter, one_thread, state_bounds  # noqa: F401
 from tests.models import assert_same, step, twin
@@ -33,7 +34,7 @@ def _model(n_layers: int, dim: int = 64, **kw):
 def _auto_offloader(layers, meter: FakeMeter) -> offload.ActivationOffloader:
     off = offload.ActivationOffloader(layers, min_tensor_bytes=1024)  # "auto", the default
     assert off.config.offload_layers == "auto"
-    off._auto.meter = meter
+    Internals(off).use_meter(meter)
     return off
 
 
@@ -60,7 +61,7 @@ def _family(off) -> _auto_policy.Family:
     """The policy's one family, live: its fitted model's predictions, the policy's own
     methods and a scale set by hand need the object (what a test only reads comes from
     ``off.last_step.auto_state``)."""
-    (fam,) = off._auto.families.values()
+    (fam,) = Internals(off).auto_policy.families.values()
     return fam
 
 
@@ -319,7 +320,7 @@ def test_a_later_measurement_of_a_changed_forward_counts_again() -> None:
     off = _auto_offloader(layers, meter)
     for seq in (16, 16):
         _run(layers, ref, off, seq)
-    policy, fam = off._auto, _family(off)
+    policy, fam = Internals(off).auto_policy, _family(off)
     assert fam.model is not None and fam.model.num_groups == L
 
     class Uncounted:
@@ -521,7 +522,7 @@ def test_state_stays_bounded_over_a_thousand_lengths() -> None:
     ref = twin(layers)
     meter = FakeMeter(_attention_costs(2e-6, 2e-9, L), 5e8)
     off = offload.ActivationOffloader(layers, min_tensor_bytes=0)
-    off._auto.meter = meter
+    Internals(off).use_meter(meter)
     bounds = state_bounds()
     verifying = offloading = 0
     for i in range(1000):
