@@ -182,20 +182,21 @@ def test_deferred_handles_wrap_the_saved_tensor_until_the_close(
 def test_next_step_is_prepared_when_a_forward_ends() -> None:
     layers = _layers()
     off = offload.ActivationOffloader(layers, offload_layers=[0], min_tensor_bytes=0)
-    assert Internals(off).next_step() is None
+    inner = Internals(off)
+    assert inner.next_step() is None
     with off:
         models.run_plain(layers, torch.randn(16, 32)).sum().backward()
-    prepared = Internals(off).next_step()
+    prepared = inner.next_step()
     assert prepared is not None and not prepared.groups
     with off:
-        assert Internals(off).current_step() is prepared and Internals(off).next_step() is None
+        assert inner.current_step() is prepared and inner.next_step() is None
         models.run_plain(layers, torch.randn(16, 32)).sum().backward()
     with pytest.raises(ValueError):
         with off:
             raise ValueError("a failed forward prepares nothing")
-    assert Internals(off).next_step() is None
+    assert inner.next_step() is None
     off.close()
-    assert Internals(off).next_step() is None
+    assert inner.next_step() is None
 
 
 def test_attached_layers_keep_their_hooks_between_forwards() -> None:
